@@ -1,0 +1,42 @@
+# Two commands set everything up on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# The CPU wheel on the development machines; GPU hosts bring their own torch and skip this pin.
+TORCH_PIN ?= torch==2.13.0
+EXTRAS ?= dev
+STAMP  := $(VENV)/.installed-$(EXTRAS)
+
+.PHONY: install demo test lint typecheck gpu-check clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q "$(TORCH_PIN)"
+	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]"
+	touch $@
+
+install: $(STAMP)
+
+demo: install
+	$(BIN)/weight-sync demo
+
+lint: install
+	$(BIN)/ruff check weight_sync trainers tests benchmarks examples scripts
+
+typecheck: install
+	$(BIN)/mypy weight_sync
+
+# ruff, then the CPU suite (GPU-marked tests run on the device machine via scripts/gpu_check.sh).
+# pytest exits 5 when nothing was collected; that is not a failure of the suite.
+test: install lint
+	$(BIN)/python -m pytest -q -m "not gpu and not multi_gpu" ; rc=$$?; \
+	  if [ $$rc -eq 5 ]; then echo "pytest: no tests collected"; rc=0; fi; exit $$rc
+
+gpu-check:
+	bash scripts/gpu_check.sh
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

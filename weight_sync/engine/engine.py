@@ -1,0 +1,277 @@
+"""The reference rollout engine: load an HF checkpoint, generate greedily, take weight updates in place.
+
+Decode runs on static buffers (token ids, pad offsets, the slot being written) so that one code path serves
+eager execution and CUDA-graph replay; on CUDA the decode step is captured once and replayed for every
+token. Updates write into the tensors the graph was captured with, so no recapture is ever needed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from weight_sync.engine.config import ModelConfig
+from weight_sync.engine.model import CausalLM, KVCache
+from weight_sync.engine.parallel import TPInfo
+from weight_sync.errors import ConfigError, TornModelError
+from weight_sync.quant.registry import resolve_quantization
+
+__all__ = ["ReferenceEngine"]
+
+log = logging.getLogger(__name__)
+
+
+class ReferenceEngine:
+    """A small Qwen3/Llama engine with vLLM's loading conventions; not a serving system.
+
+    Build it with :meth:`from_checkpoint`. ``generate`` is greedy with a static KV cache; ``logits``
+    runs a full forward. Weight updates go through :meth:`reload_weights` / :meth:`begin_update`, the
+    same lifecycle that performed the first load.
+    """
+
+    def __init__(
+        self,
+        model: CausalLM,
+        *,
+        device: torch.device,
+        checkpoint_path: Path | None = None,
+        quantization: object = None,
+        max_batch_size: int = 8,
+        max_seq_len: int = 512,
+        use_cuda_graph: bool = True,
+    ) -> None:
+        if max_batch_size < 1 or max_seq_len < 2:
+            raise ConfigError(
+                f"max_batch_size must be >= 1 and max_seq_len >= 2, got {max_batch_size}, {max_seq_len}"
+            )
+        self.model = model
+        self.config: ModelConfig = model.config
+        self.device = device
+        self.checkpoint_path = checkpoint_path
+        self.quantization = quantization
+        self.max_batch_size = max_batch_size
+        self.max_seq_len = max_seq_len
+        self.use_cuda_graph = use_cuda_graph and device.type == "cuda" and model.tp.size == 1
+        self._cache: KVCache | None = None
+        self._static: dict[str, torch.Tensor] | None = None
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self.num_graph_replays = 0
+        self.last_report: Any = None
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_checkpoint(
+        cls,
+        path: str | os.PathLike,
+        *,
+        dtype: torch.dtype | None = None,
+        device: str | torch.device = "cpu",
+        quantization: object = None,
+        tp_group: dist.ProcessGroup | None = None,
+        max_batch_size: int = 8,
+        max_seq_len: int = 512,
+        use_cuda_graph: bool = True,
+        load_weights: bool = True,
+    ) -> ReferenceEngine:
+        """Build the model from ``path/config.json`` and load ``path``'s safetensors through reload.
+
+        ``quantization``: None, a short name ('fp8', 'fp8_per_channel', 'fp8_block', 'int8') or a config
+        object; linear layers are quantized online while loading. ``tp_group``: a torch.distributed
+        group to shard over (every rank calls this with the same arguments).
+        """
+        from weight_sync.reload.api import record_metadata_for_reloading, reload_weights
+
+        path = Path(path)
+        config = ModelConfig.from_pretrained(path)
+        if dtype is not None:
+            config = ModelConfig(**{**config.to_dict(), "dtype": dtype})
+        quant = resolve_quantization(quantization)
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        model = CausalLM(config, tp=TPInfo(tp_group), quantization=quant, device=device)
+        record_metadata_for_reloading(model)
+        engine = cls(
+            model, device=device, checkpoint_path=path, quantization=quant,
+            max_batch_size=max_batch_size, max_seq_len=max_seq_len, use_cuda_graph=use_cuda_graph,
+        )
+        if load_weights:
+            engine.last_report = reload_weights(model, weights_path=path, version="initial")
+        return engine
+
+    # ------------------------------------------------------------------ weight updates
+    def reload_weights(
+        self,
+        weights_path: str | os.PathLike | None = None,
+        weights_iterator: Iterable[tuple[str, torch.Tensor]] | None = None,
+        **options: Any,
+    ):
+        """Update weights in place; with neither argument, re-read the checkpoint the engine came from."""
+        from weight_sync.reload.api import reload_weights
+
+        if weights_path is None and weights_iterator is None:
+            if self.checkpoint_path is None:
+                raise ConfigError("reload_weights() needs weights_path or weights_iterator")
+            weights_path = self.checkpoint_path
+        self.last_report = reload_weights(
+            self.model, weights_path=weights_path, weights_iterator=weights_iterator, **options
+        )
+        return self.last_report
+
+    def begin_update(self, manifest=None, **options: Any):
+        """Start an update session on this engine's model (see :func:`weight_sync.begin_update`)."""
+        from weight_sync.reload.api import begin_update
+
+        return begin_update(self.model, manifest, **options)
+
+    def fingerprint(self) -> str:
+        from weight_sync.reload.report import fingerprint
+
+        return fingerprint(self.model)
+
+    # ------------------------------------------------------------------ inference
+    def _check_servable(self) -> None:
+        from weight_sync.reload.state import torn_reason
+
+        reason = torn_reason(self.model)
+        if reason is not None:
+            raise TornModelError(
+                f"the engine holds a mix of weight versions after a failed update ({reason}); "
+                "it refuses to serve until a full update succeeds"
+            )
+
+    def _as_batch(self, token_ids: Sequence[Sequence[int]] | torch.Tensor) -> torch.Tensor:
+        if isinstance(token_ids, torch.Tensor):
+            ids = token_ids.to(self.device, torch.long)
+            if ids.dim() == 1:
+                ids = ids[None]
+        else:
+            lengths = {len(s) for s in token_ids}
+            if len(lengths) != 1:
+                raise ValueError(f"logits() needs sequences of equal length, got lengths {sorted(lengths)}")
+            ids = torch.tensor([list(s) for s in token_ids], dtype=torch.long, device=self.device)
+        self._check_ids(ids)
+        return ids
+
+    def _check_ids(self, ids: torch.Tensor) -> None:
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
+            raise ValueError(
+                f"token ids must be in [0, {self.config.vocab_size}), got range "
+                f"[{int(ids.min())}, {int(ids.max())}]"
+            )
+
+    @torch.no_grad()
+    def logits(self, token_ids: Sequence[Sequence[int]] | torch.Tensor) -> torch.Tensor:
+        """Full-forward logits, fp32, shape (batch, tokens, vocab)."""
+        self._check_servable()
+        ids = self._as_batch(token_ids)
+        b, t = ids.shape
+        pos = torch.arange(t, device=self.device).expand(b, t)
+        mask = torch.ones(t, t, dtype=torch.bool, device=self.device).tril()[None, None]
+        h = self.model(ids, pos, mask)
+        return self.model.compute_logits(h).float()
+
+    def _ensure_static(self) -> dict[str, torch.Tensor]:
+        if self._cache is None:
+            c = self.config
+            kv_local = self.model.model.layers[0].self_attn.num_kv_heads
+            self._cache = KVCache(
+                c.num_hidden_layers, self.max_batch_size, kv_local, self.max_seq_len, c.head_dim,
+                c.dtype, self.device,
+            )
+        if self._static is None:
+            bmax, dev = self.max_batch_size, self.device
+            self._static = {
+                "ids": torch.zeros(bmax, 1, dtype=torch.long, device=dev),
+                "pad": torch.zeros(bmax, dtype=torch.long, device=dev),
+                "slot": torch.zeros(1, dtype=torch.long, device=dev),
+                "keys": torch.arange(self.max_seq_len, device=dev),
+                "next": torch.zeros(bmax, dtype=torch.long, device=dev),
+            }
+        return self._static
+
+    def _decode_step(self) -> None:
+        """One greedy decode step over the static buffers (the body of the CUDA graph)."""
+        s = self._static
+        assert s is not None and self._cache is not None
+        pos = (s["slot"] - s["pad"]).clamp(min=0)[:, None]
+        keys = s["keys"][None]
+        mask = ((keys >= s["pad"][:, None]) & (keys <= s["slot"]))[:, None, None, :]
+        h = self.model(s["ids"], pos, mask, self._cache, s["slot"])
+        s["next"].copy_(self.model.compute_logits(h[:, -1]).argmax(dim=-1))
+
+    def _run_decode(self) -> None:
+        if not self.use_cuda_graph:
+            self._decode_step()
+            return
+        if self._graph is None:
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):  # warm up kernels and allocator pools off the capture
+                for _ in range(2):
+                    self._decode_step()
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self._decode_step()
+            self._graph = graph
+        self._graph.replay()
+        self.num_graph_replays += 1
+
+    @torch.no_grad()
+    def generate(
+        self, prompt_token_ids: Sequence[Sequence[int]], max_new_tokens: int
+    ) -> list[list[int]]:
+        """Greedy continuation of each prompt; returns only the new tokens."""
+        self._check_servable()
+        prompts = [list(p) for p in prompt_token_ids]
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        out: list[list[int]] = []
+        for i in range(0, len(prompts), self.max_batch_size):
+            out.extend(self._generate_batch(prompts[i : i + self.max_batch_size], max_new_tokens))
+        return out
+
+    def _generate_batch(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        s = self._ensure_static()
+        assert self._cache is not None
+        b = len(prompts)
+        p = max(len(x) for x in prompts)
+        if p + max_new_tokens > self.max_seq_len:
+            raise ValueError(
+                f"prompt length {p} + max_new_tokens {max_new_tokens} exceeds max_seq_len {self.max_seq_len}"
+            )
+        dev = self.device
+        pads = torch.tensor([p - len(x) for x in prompts], dtype=torch.long, device=dev)
+        ids = torch.tensor([[0] * (p - len(x)) + x for x in prompts], dtype=torch.long, device=dev)
+        self._check_ids(ids)
+        ar = torch.arange(p, device=dev)
+        pos = (ar[None] - pads[:, None]).clamp(min=0)
+        # Key j is visible to query i when it is a real token (j >= pad) at or before i; a padding query
+        # sees itself only, so no row of the softmax is empty.
+        causal = ar[None, :] <= ar[:, None]
+        mask = (causal[None] & (ar[None, None, :] >= pads[:, None, None])) | torch.eye(
+            p, dtype=torch.bool, device=dev
+        )[None]
+        h = self.model(ids, pos, mask[:, None], self._cache)
+        nxt = self.model.compute_logits(h[:, -1]).argmax(dim=-1)
+        result = [[int(t)] for t in nxt.tolist()]
+        s["pad"].zero_()
+        s["pad"][:b].copy_(pads)
+        s["ids"].zero_()
+        for step in range(max_new_tokens - 1):
+            s["ids"][:b, 0].copy_(nxt)
+            s["slot"].fill_(p + step)
+            self._run_decode()
+            nxt = s["next"][:b]
+            for row, tok in zip(result, nxt.tolist()):
+                row.append(int(tok))
+        return result

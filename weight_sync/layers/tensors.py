@@ -1,0 +1,104 @@
+"""Graph-visible tensors: everything a layer owns that a captured graph or compiled kernel may point at.
+
+That is a layer's parameters, its buffers, and any plain tensor attribute in its ``__dict__`` (weight
+scales, workspaces, repacked copies registered by a processor). Reload must keep every one of them at
+the same address; :class:`TensorSignature` records what "the same" means and :func:`verify_signatures`
+checks it after an update.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from weight_sync.errors import PointerChangedError
+
+__all__ = [
+    "TensorSignature",
+    "graph_visible_tensors",
+    "iter_graph_visible_tensors",
+    "layers_with_tensors",
+    "signatures",
+    "verify_signatures",
+]
+
+
+def graph_visible_tensors(layer: nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors ``layer`` itself owns (not its children): parameters, buffers, tensor attributes."""
+    out: dict[str, torch.Tensor] = {}
+    for name, p in layer._parameters.items():
+        if p is not None:
+            out[name] = p
+    for name, b in layer._buffers.items():
+        if b is not None:
+            out[name] = b
+    for name, v in vars(layer).items():
+        if isinstance(v, torch.Tensor) and not name.startswith("_ws_") and name not in out:
+            out[name] = v
+    return out
+
+
+def iter_graph_visible_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """All graph-visible tensors of ``model`` as (qualified name, tensor); shared tensors appear once."""
+    seen: set[int] = set()
+    for mod_name, mod in model.named_modules():
+        for t_name, t in graph_visible_tensors(mod).items():
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            yield (f"{mod_name}.{t_name}" if mod_name else t_name), t
+
+
+def layers_with_tensors(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """Modules that own at least one graph-visible tensor directly, in module order."""
+    for name, mod in model.named_modules():
+        if graph_visible_tensors(mod):
+            yield name, mod
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSignature:
+    """What a graph captured of a tensor: address, shape, dtype, stride, device."""
+
+    data_ptr: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    stride: tuple[int, ...]
+    device: str
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> TensorSignature:
+        return cls(t.data_ptr(), tuple(t.shape), t.dtype, tuple(t.stride()), str(t.device))
+
+    def describe(self) -> str:
+        return f"{self.shape} {str(self.dtype).removeprefix('torch.')} stride {self.stride} at {self.data_ptr:#x}"
+
+
+def signatures(model: nn.Module) -> dict[str, TensorSignature]:
+    """Signatures of every graph-visible tensor of ``model`` (meta tensors are skipped)."""
+    return {
+        name: TensorSignature.of(t)
+        for name, t in iter_graph_visible_tensors(model)
+        if t.device.type != "meta"
+    }
+
+
+def verify_signatures(model: nn.Module, before: Mapping[str, TensorSignature]) -> None:
+    """Raise :class:`PointerChangedError` if any tensor recorded in ``before`` moved or changed layout."""
+    after = signatures(model)
+    problems: list[str] = []
+    for name, sig in before.items():
+        now = after.get(name)
+        if now is None:
+            problems.append(f"{name}: was {sig.describe()}, now missing")
+        elif now != sig:
+            problems.append(f"{name}: was {sig.describe()}, now {now.describe()}")
+    if problems:
+        shown = "; ".join(problems[:5])
+        more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+        raise PointerChangedError(
+            f"{len(problems)} graph-visible tensor(s) changed during the update: {shown}{more}"
+        )

@@ -1,0 +1,198 @@
+"""Manifests: the list of (name, dtype, shape[, checksum]) a sender announces before any data.
+
+Manifests travel as JSON, never pickle. Checksums are cheap and computed where the tensor lives
+(on device for CUDA tensors), so both ends can compare them without a host round trip of the data.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from weight_sync.errors import ManifestError
+
+__all__ = [
+    "Manifest",
+    "TensorMeta",
+    "dtype_from_str",
+    "dtype_to_str",
+    "tensor_checksum",
+]
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+
+
+def dtype_to_str(dtype: torch.dtype) -> str:
+    """Return the canonical name of a torch dtype ('bfloat16', 'float8_e4m3fn', ...)."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ManifestError(f"dtype {dtype} is not supported on the wire; supported: {sorted(_DTYPES)}")
+    return name
+
+
+def dtype_from_str(name: str) -> torch.dtype:
+    """Inverse of :func:`dtype_to_str`; raises ManifestError for unknown names."""
+    try:
+        return _DTYPES[name.removeprefix("torch.")]
+    except KeyError:
+        raise ManifestError(f"unknown dtype {name!r}; supported: {sorted(_DTYPES)}") from None
+
+
+def tensor_checksum(t: torch.Tensor) -> int:
+    """A cheap, order-sensitive 64-bit checksum of a tensor's bytes, computed on its device.
+
+    A plain sum and a position-weighted sum of the 32-bit words (int64 arithmetic, wrapping mod 2**64,
+    which is associative, so reduction order on any device gives the same value) catch flipped bytes and
+    swapped words; it is not cryptographic. The result is identical on CPU and CUDA.
+    """
+    flat = t.detach().contiguous().view(-1).view(torch.uint8)
+    n = flat.numel()
+    pad = (-n) % 4
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    words = flat.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    # Position weights keep the checksum sensitive to where a change happens, not only to the sum.
+    weights = (torch.arange(words.numel(), device=words.device, dtype=torch.int64) % 65521) + 1
+    s1 = int(words.sum().item())
+    s2 = int((words * weights).sum().item())
+    return ((s1 & 0xFFFFFFFF) << 32 | (s2 & 0xFFFFFFFF)) ^ n
+
+
+@dataclass(frozen=True, slots=True)
+class TensorMeta:
+    """Name, dtype and shape of one tensor a sender will send (and optionally its checksum)."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    checksum: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ManifestError(f"tensor name must be a non-empty string, got {self.name!r}")
+        if not isinstance(self.dtype, torch.dtype):
+            raise ManifestError(f"{self.name}: dtype must be a torch.dtype, got {self.dtype!r}")
+        if any((not isinstance(d, int)) or d < 0 for d in self.shape):
+            raise ManifestError(f"{self.name}: shape must be non-negative ints, got {self.shape!r}")
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+    @classmethod
+    def of(cls, name: str, tensor: torch.Tensor, *, checksum: bool = False) -> TensorMeta:
+        """Describe ``tensor`` (shape and dtype read from metadata; meta tensors work)."""
+        return cls(
+            name=name,
+            dtype=tensor.dtype,
+            shape=tuple(tensor.shape),
+            checksum=tensor_checksum(tensor) if checksum else None,
+        )
+
+    def to_json(self) -> dict:
+        d: dict = {"name": self.name, "dtype": dtype_to_str(self.dtype), "shape": list(self.shape)}
+        if self.checksum is not None:
+            d["checksum"] = self.checksum
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> TensorMeta:
+        try:
+            return cls(
+                name=d["name"],
+                dtype=dtype_from_str(d["dtype"]),
+                shape=tuple(int(x) for x in d["shape"]),
+                checksum=d.get("checksum"),
+            )
+        except KeyError as e:
+            raise ManifestError(f"manifest entry {d!r} lacks field {e.args[0]!r}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    """An ordered list of :class:`TensorMeta`, announced before the data; names are unique."""
+
+    tensors: tuple[TensorMeta, ...]
+    version: int | str | None = None
+    _index: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tensors", tuple(self.tensors))
+        seen: dict[str, int] = {}
+        for i, m in enumerate(self.tensors):
+            if not isinstance(m, TensorMeta):
+                raise ManifestError(f"manifest entry {i} is {type(m).__name__}, expected TensorMeta")
+            if m.name in seen:
+                raise ManifestError(f"manifest lists {m.name!r} twice (entries {seen[m.name]} and {i})")
+            seen[m.name] = i
+        self._index.update(seen)
+
+    @classmethod
+    def from_named_tensors(
+        cls,
+        named: Iterable[tuple[str, torch.Tensor]],
+        *,
+        version: int | str | None = None,
+        checksum: bool = False,
+    ) -> Manifest:
+        """Build a manifest from (name, tensor) pairs; meta tensors are fine without checksums."""
+        return cls(tuple(TensorMeta.of(n, t, checksum=checksum) for n, t in named), version=version)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def __iter__(self) -> Iterator[TensorMeta]:
+        return iter(self.tensors)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._index
+
+    def __getitem__(self, name: str) -> TensorMeta:
+        try:
+            return self.tensors[self._index[name]]
+        except KeyError:
+            raise ManifestError(f"{name!r} is not in the manifest") from None
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(m.name for m in self.tensors)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(m.nbytes for m in self.tensors)
+
+    def to_json(self) -> str:
+        return json.dumps({"version": self.version, "tensors": [m.to_json() for m in self.tensors]})
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Manifest:
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ManifestError(f"manifest is not valid JSON: {e}") from e
+        if not isinstance(d, dict) or "tensors" not in d:
+            raise ManifestError("manifest JSON must be an object with a 'tensors' list")
+        return cls(tuple(TensorMeta.from_json(x) for x in d["tensors"]), version=d.get("version"))

@@ -1,0 +1,58 @@
+"""INT8 online quantization with one symmetric scale per output channel."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from weight_sync.errors import ConfigError
+from weight_sync.quant.online import OnlineQuantLinearMethod
+
+__all__ = ["Int8Config", "Int8LinearMethod", "dequantize_int8", "quantize_int8"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Int8Config:
+    """Online int8 quantization of linear weights (per output channel, symmetric)."""
+
+    granularity: Literal["channel"] = "channel"
+
+    def __post_init__(self) -> None:
+        if self.granularity != "channel":
+            raise ConfigError(f"Int8Config.granularity must be 'channel', got {self.granularity!r}")
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a 2-D weight to int8 with one fp32 scale per row; ``w ~= q * scale[:, None]``."""
+    if w.dim() != 2:
+        raise ConfigError(f"int8 quantization needs a 2-D weight, got shape {tuple(w.shape)}")
+    wf = w.float()
+    scale = wf.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+    q = torch.round(wf / scale[:, None]).clamp(-128, 127).to(torch.int8)
+    return q.contiguous(), scale.contiguous()
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (q.float() * scale[:, None]).to(dtype)
+
+
+class Int8LinearMethod(OnlineQuantLinearMethod):
+    """Linear layers served from int8 weights (dequantized matmul)."""
+
+    name = "int8_channel"
+
+    def __init__(self, config: Int8Config) -> None:
+        self.config = config
+
+    def quantize(
+        self, weight: torch.Tensor, group: dist.ProcessGroup | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return quantize_int8(weight)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, dequantize_int8(layer.weight, layer.weight_scale, x.dtype), bias)

@@ -1,0 +1,71 @@
+"""Online quantization as a per-layer processing step (first load and reload share it).
+
+The layer is created in model format: a full-precision weight with the usual ``weight_loader``. Once all of
+its checkpoint keys have arrived, :meth:`OnlineQuantLinearMethod.process_weights_after_loading` replaces it
+with the quantized weight and its scales (kernel format). Reload copies the new kernel tensors into the
+old ones, so the quantized bytes a captured graph reads change in place.
+
+Per-tensor scales of TP-sharded layers are reduced (MAX) over the layer's TP group; every rank therefore
+processes layers in the same order (reload completes layers by expected keys in stream order, which is
+identical on all ranks of an engine).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from weight_sync.quant.base import LinearMethod, WeightLoader, make_weight_param
+
+__all__ = ["OnlineQuantLinearMethod"]
+
+
+class OnlineQuantLinearMethod(LinearMethod):
+    """Common part of the online methods: model-format weight in, (qweight, scale) out."""
+
+    requires_processing = True
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        *,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        params_dtype: torch.dtype,
+        weight_loader: WeightLoader,
+        device: torch.device | str,
+    ) -> None:
+        # Model format lives on meta until the first load materializes it layer by layer: a quantized
+        # engine never holds a full-precision copy of the whole model.
+        weight = make_weight_param(
+            (sum(output_partition_sizes), input_size_per_partition),
+            params_dtype,
+            "meta",
+            weight_loader,
+            input_dim=1,
+            output_dim=0,
+        )
+        layer.register_parameter("weight", weight)
+        layer.ws_compute_device = torch.device(device)
+
+    def quantize(
+        self, weight: torch.Tensor, group: dist.ProcessGroup | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return (quantized weight, scale) for a model-format weight."""
+        raise NotImplementedError
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        w = layer.weight
+        if w.dtype in (torch.float8_e4m3fn, torch.int8):
+            return  # already kernel format: processing twice would quantize quantized bytes
+        q, scale = self.quantize(w.detach(), getattr(layer, "tp_group", None))
+        layer.weight = nn.Parameter(q, requires_grad=False)
+        layer.weight_scale = nn.Parameter(scale, requires_grad=False)
+
+
+def reduce_max(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """All-reduce MAX over ``group`` (identity without a group or with one rank)."""
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t

@@ -1,0 +1,151 @@
+"""Entry points of the reload lifecycle, plus the seed's low-level names as thin aliases.
+
+``begin_update`` / ``UpdateSession.load`` / ``finish`` is the transaction API; ``reload_weights`` wraps it
+for a safetensors directory or an iterable. ``record_metadata_for_reloading``,
+``initialize_layerwise_reload`` and ``finalize_layerwise_processing`` exist so vLLM users find the names
+they know: after ``initialize_layerwise_reload(model)``, a plain ``model.load_weights(...)`` feeds the
+session until ``finalize_layerwise_processing(model)`` commits it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from weight_sync.errors import SourceError, UpdateStateError, WeightSyncError
+from weight_sync.manifest import Manifest, TensorMeta
+from weight_sync.reload.report import UpdateReport
+from weight_sync.reload.session import UpdateSession
+from weight_sync.reload.state import get_state, has_state
+from weight_sync.safetensors_io import checkpoint_files, iter_checkpoint, read_header
+
+__all__ = [
+    "begin_update",
+    "finalize_layerwise_processing",
+    "initialize_layerwise_reload",
+    "manifest_from_checkpoint",
+    "record_metadata_for_reloading",
+    "reload_weights",
+]
+
+
+def record_metadata_for_reloading(model: nn.Module) -> None:
+    """Record every layer's model-format tensors (class, layout, loader attributes) for later reloads.
+
+    Call it right after the model is built, before any processing: it is what lets reload rebuild a
+    quantized layer's full-precision form. Calling it again is a no-op.
+    """
+    get_state(model, create=True)
+
+
+def begin_update(
+    model: nn.Module,
+    manifest: Manifest | Iterable[TensorMeta] | None = None,
+    *,
+    budget_bytes: int | None = None,
+    rollback: bool = False,
+    version: Any = None,
+    allow_partial: bool = False,
+    fingerprint: bool = True,
+) -> UpdateSession:
+    """Open an update on ``model``; a manifest is validated against the plan before anything is written.
+
+    budget_bytes: cap on model-format staging of pending layers on the model's device (default: the
+    largest block); beyond it staging goes to host memory. rollback: snapshot each layer to host before
+    its first write, so a failure restores the model bitwise (else a failure marks it torn).
+    allow_partial: accept an update that covers only some tensors. fingerprint: hash the kernel
+    tensors into the report at finish.
+    """
+    if manifest is not None and not isinstance(manifest, Manifest):
+        manifest = Manifest(tuple(manifest), version=version)
+    state = get_state(model, create=True)
+    return UpdateSession(
+        model, state, manifest=manifest, budget_bytes=budget_bytes, rollback=rollback,
+        version=version, allow_partial=allow_partial, compute_fingerprint=fingerprint,
+    )
+
+
+def manifest_from_checkpoint(path: str | os.PathLike, *, version: Any = None) -> Manifest:
+    """Names, dtypes and shapes of every tensor in a safetensors file or directory (headers only)."""
+    metas = []
+    for f in checkpoint_files(path):
+        for e in read_header(f).values():
+            metas.append(TensorMeta(e.name, e.dtype, e.shape))
+    return Manifest(tuple(metas), version=version)
+
+
+def reload_weights(
+    model: nn.Module,
+    *,
+    weights_path: str | os.PathLike | None = None,
+    weights_iterator: Iterable[tuple[str, torch.Tensor]] | None = None,
+    manifest: Manifest | None = None,
+    **options: Any,
+) -> UpdateReport:
+    """Update ``model`` from a safetensors checkpoint (mapped, streamed in block order) or an iterable.
+
+    From a path the manifest comes from the file headers, so the whole checkpoint is validated before the
+    first write. Options are those of :func:`begin_update`.
+    """
+    if (weights_path is None) == (weights_iterator is None):
+        raise ValueError("reload_weights needs exactly one of weights_path or weights_iterator")
+    if weights_path is not None:
+        manifest = manifest_from_checkpoint(weights_path, version=options.get("version"))
+    session = begin_update(model, manifest, **options)
+    if weights_path is not None:
+        mapped = dict(iter_checkpoint(weights_path))
+        # Layer order from the plan: each layer's keys arrive together, so at most one layer is pending.
+        source: Iterable[tuple[str, torch.Tensor]] = (
+            (n, mapped[n]) for n in session.layer_order(mapped)
+        )
+    else:
+        assert weights_iterator is not None
+        source = weights_iterator
+    with session:
+        last = None
+        it = iter(source)
+        while True:
+            try:
+                item = next(it)
+            except StopIteration:
+                break
+            except WeightSyncError:
+                raise
+            except Exception as e:
+                where = f"after {last!r}" if last else "before the first tensor"
+                raise SourceError(f"the weights source failed {where}: {type(e).__name__}: {e}") from e
+            session.load((item,))
+            last = item[0]
+        return session.finish()
+
+
+def initialize_layerwise_reload(model: nn.Module, **options: Any) -> UpdateSession:
+    """Open an update and route ``model.load_weights(...)`` into it until it is finalized."""
+    session = begin_update(model, options.pop("manifest", None), **options)
+    original = model.__dict__.get("load_weights")
+
+    def load_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        session.load(weights)
+        return set()
+
+    # The session's own fallback calls the class's load_weights, never this instance attribute.
+    model.__dict__["_ws_saved_load_weights"] = original
+    model.load_weights = load_weights  # type: ignore[method-assign]
+    return session
+
+
+def finalize_layerwise_processing(model: nn.Module, model_config: Any = None) -> UpdateReport:
+    """Commit the update opened by :func:`initialize_layerwise_reload` and restore ``load_weights``."""
+    if not has_state(model) or get_state(model).active is None:
+        raise UpdateStateError("finalize_layerwise_processing: no layerwise reload is in progress")
+    session: UpdateSession = get_state(model).active
+    saved = model.__dict__.pop("_ws_saved_load_weights", None)
+    if saved is None:
+        model.__dict__.pop("load_weights", None)
+    else:
+        model.__dict__["load_weights"] = saved
+    return session.finish()

@@ -1,0 +1,254 @@
+"""Plan once: where each checkpoint key lands, recorded by a dry run of the model's own loaders on meta.
+
+Every layer's model-format tensors are temporarily replaced by meta tensors (same class and loader
+attributes), ``model.load_weights`` runs on meta tensors of the announced shapes, and a dispatch mode
+records each ``aten.copy_`` into a layer tensor as a :class:`CopyOp`: which slice (offset, size, stride) of
+which tensor, from which slice of the incoming tensor. Nothing is read or written, so a bad manifest is
+found before any byte of the model changes. Replaying a key is then a few strided copies.
+
+Loaders that compute on the incoming tensor (anything but views before the copy) cannot be replayed as
+copies; their keys are marked ``loader`` and run through the real loader, which stays the fallback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from weight_sync.errors import LayoutMismatchError, WeightSyncError
+from weight_sync.layers.meta import install_tensor, rematerialize
+from weight_sync.manifest import TensorMeta
+from weight_sync.reload.state import LayerInfo, ModelState, model_load_weights
+
+__all__ = ["CopyOp", "KeyPlan", "Plan", "plan_keys", "swapped_tensors"]
+
+KeyMode = Literal["copy", "loader", "ignored"]
+
+
+@dataclass(frozen=True, slots=True)
+class CopyOp:
+    """Copy ``src`` (a strided view of the incoming tensor) into a strided view of a layer tensor."""
+
+    layer: str
+    tensor: str
+    dst_offset: int  # elements, relative to the tensor's own storage offset
+    dst_size: tuple[int, ...]
+    dst_stride: tuple[int, ...]
+    src_offset: int  # elements, relative to the incoming (contiguous) tensor's storage offset
+    src_size: tuple[int, ...]
+    src_stride: tuple[int, ...]
+    src_whole: bool  # src is the whole incoming tensor: replay passes it unchanged
+
+
+@dataclass(slots=True)
+class KeyPlan:
+    """How one checkpoint key is loaded: replayed copies, the real loader, or ignored."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    mode: KeyMode
+    layers: tuple[str, ...]
+    ops: tuple[CopyOp, ...] = ()
+
+
+@dataclass(slots=True)
+class Plan:
+    """Key plans plus, per layer, the keys it expects before it is complete."""
+
+    keys: dict[str, KeyPlan] = field(default_factory=dict)
+    layer_keys: dict[str, set[str]] = field(default_factory=dict)
+
+    def add(self, kp: KeyPlan) -> None:
+        old = self.keys.get(kp.name)
+        if old is not None:
+            for layer in old.layers:
+                self.layer_keys.get(layer, set()).discard(kp.name)
+        self.keys[kp.name] = kp
+        for layer in kp.layers:
+            self.layer_keys.setdefault(layer, set()).add(kp.name)
+
+
+@contextlib.contextmanager
+def swapped_tensors(state: ModelState, layers: Iterable[LayerInfo]) -> Iterator[dict[int, tuple[str, str]]]:
+    """Install meta model-format tensors on ``layers``; yield storage id -> (layer, tensor); restore."""
+    saved: list[tuple[nn.Module, dict, dict, dict]] = []
+    storages: dict[int, tuple[str, str]] = {}
+    try:
+        for info in layers:
+            mod = info.module
+            attrs = {k: v for k, v in vars(mod).items() if isinstance(v, torch.Tensor)}
+            saved.append((mod, dict(mod._parameters), dict(mod._buffers), attrs))
+            for rec in info.records.values():
+                t = rematerialize_meta(rec)
+                install_tensor(mod, rec, t)
+                storages[t.untyped_storage()._cdata] = (info.name, rec.name)
+        yield storages
+    finally:
+        for mod, params, buffers, attrs in saved:
+            mod._parameters.clear()
+            mod._parameters.update(params)
+            mod._buffers.clear()
+            mod._buffers.update(buffers)
+            for k in [k for k, v in vars(mod).items() if isinstance(v, torch.Tensor)]:
+                del mod.__dict__[k]
+            mod.__dict__.update(attrs)
+
+
+def rematerialize_meta(rec) -> torch.Tensor:
+    """A meta tensor with the record's class, layout and loader attributes (no memory)."""
+    return rematerialize(rec, "meta")
+
+
+def _is_mutating(func) -> bool:
+    schema = func._schema
+    return any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+
+
+class _Recorder(TorchDispatchMode):
+    """Records copies into known layer storages while ``model.load_weights`` runs on meta tensors."""
+
+    def __init__(self, storages: dict[int, tuple[str, str]], bases: dict[tuple[str, str], int]) -> None:
+        super().__init__()
+        self.storages = storages
+        self.bases = bases  # (layer, tensor) -> storage offset of the installed tensor
+        self.key: str | None = None
+        self.src: torch.Tensor | None = None
+        self.ops: list[CopyOp] = []
+        self.loader_layers: set[str] = set()
+        self.computed = False
+
+    def start(self, key: str, src: torch.Tensor) -> None:
+        self.key, self.src = key, src
+        self.ops, self.loader_layers, self.computed = [], set(), False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.key is not None and _is_mutating(func) and args and isinstance(args[0], torch.Tensor):
+            dst = args[0]
+            target = self.storages.get(dst.untyped_storage()._cdata)
+            if target is not None:
+                src = args[1] if len(args) > 1 and isinstance(args[1], torch.Tensor) else None
+                if (
+                    func is torch.ops.aten.copy_.default
+                    and src is not None
+                    and self.src is not None
+                    and src.untyped_storage()._cdata == self.src.untyped_storage()._cdata
+                ):
+                    if dst.dtype.is_floating_point and not self.src.dtype.is_floating_point:
+                        raise LayoutMismatchError(
+                            f"expects a floating-point tensor for {target[0]}.{target[1]} "
+                            f"({str(dst.dtype).removeprefix('torch.')}), got "
+                            f"{str(self.src.dtype).removeprefix('torch.')}"
+                        )
+                    whole = (
+                        src.storage_offset() == self.src.storage_offset()
+                        and tuple(src.shape) == tuple(self.src.shape)
+                        and tuple(src.stride()) == tuple(self.src.stride())
+                    )
+                    self.ops.append(
+                        CopyOp(
+                            layer=target[0],
+                            tensor=target[1],
+                            dst_offset=dst.storage_offset() - self.bases[target],
+                            dst_size=tuple(dst.shape),
+                            dst_stride=tuple(dst.stride()),
+                            src_offset=src.storage_offset() - self.src.storage_offset(),
+                            src_size=tuple(src.shape),
+                            src_stride=tuple(src.stride()),
+                            src_whole=whole,
+                        )
+                    )
+                else:
+                    # Written from something computed (or by an op other than copy_): not replayable.
+                    self.computed = True
+                    self.loader_layers.add(target[0])
+        return func(*args, **kwargs)
+
+
+def plan_keys(
+    model: nn.Module, state: ModelState, metas: Iterable[TensorMeta]
+) -> tuple[list[KeyPlan], dict[str, WeightSyncError]]:
+    """Dry-run the model's loaders for ``metas``; returns (key plans, problems by key name).
+
+    A key with a problem (unknown name, wrong shape, integer data for a float weight) has no plan. The
+    model is untouched: loaders only ever see meta tensors.
+    """
+    metas = list(metas)
+    plans: list[KeyPlan] = []
+    problems: dict[str, WeightSyncError] = {}
+    if not metas:
+        return plans, problems
+    load = model_load_weights(model)
+    if load is None:
+        raise WeightSyncError(f"{type(model).__name__} has no load_weights(weights) method to plan with")
+    with swapped_tensors(state, state.layers.values()) as storages:
+        bases = {}
+        for info in state.layers.values():
+            for name in info.records:
+                t = info.module._parameters.get(name)
+                if t is None:
+                    t = info.module._buffers.get(name)
+                bases[(info.name, name)] = t.storage_offset() if t is not None else 0
+        rec = _Recorder(storages, bases)
+        pending = list(metas)
+        while pending:
+            current: list[TensorMeta] = []
+
+            def feed(
+                items: list[TensorMeta], current: list[TensorMeta]
+            ) -> Iterator[tuple[str, torch.Tensor]]:
+                for m in items:
+                    # Finish the previous key: load_weights pulls the next item only when it is done.
+                    if current:
+                        plans.append(_finish(current[-1], rec))
+                    current.append(m)
+                    src = torch.empty(m.shape, dtype=m.dtype, device="meta")
+                    rec.start(m.name, src)
+                    yield m.name, src
+
+            try:
+                with rec:
+                    load(feed(pending, current))
+                if current:
+                    plans.append(_finish(current[-1], rec))
+                pending = []
+            except WeightSyncError as e:
+                bad = current[-1] if current else pending[0]
+                problems[bad.name] = e
+                pending = pending[len(current) or 1 :]
+            except (RuntimeError, ValueError, IndexError, KeyError, AssertionError) as e:
+                bad = current[-1] if current else pending[0]
+                problems[bad.name] = LayoutMismatchError(
+                    f"{bad.name}: the model's loader rejected {bad.shape} "
+                    f"{str(bad.dtype).removeprefix('torch.')}: {type(e).__name__}: {e}"
+                )
+                pending = pending[len(current) or 1 :]
+            finally:
+                rec.key = None
+    return [kp for kp in plans if kp.name not in problems], problems
+
+
+def _finish(meta: TensorMeta, rec: _Recorder) -> KeyPlan:
+    layers = tuple(dict.fromkeys([op.layer for op in rec.ops] + sorted(rec.loader_layers)))
+    if rec.computed:
+        mode: KeyMode = "loader"
+    elif rec.ops:
+        mode = "copy"
+    else:
+        mode = "ignored"
+    return KeyPlan(
+        name=meta.name,
+        shape=tuple(meta.shape),
+        dtype=meta.dtype,
+        mode=mode,
+        layers=layers,
+        ops=tuple(rec.ops) if mode == "copy" else (),
+    )
+

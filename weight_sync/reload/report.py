@@ -1,0 +1,72 @@
+"""What an update did (UpdateReport) and a fingerprint of a model's kernel tensors."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from torch import nn
+
+from weight_sync.layers.tensors import iter_graph_visible_tensors
+from weight_sync.manifest import dtype_to_str, tensor_checksum
+
+__all__ = ["UpdateReport", "fingerprint"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class UpdateReport:
+    """The result of one update: what arrived, which path each layer took, how long each phase ran.
+
+    ``layers_direct`` were written straight into live storage; ``layers_processed`` were buffered in
+    model format, processed (e.g. quantized) and copied into their kernel tensors. ``keys_replayed`` went
+    through recorded copies, ``keys_via_loader`` through the real loader (plan fallback).
+    ``peak_buffered_bytes`` counts model-format staging of pending layers on the model's device;
+    ``spilled_bytes`` is staging that went to host memory because the budget was full.
+    """
+
+    version: Any
+    num_tensors: int
+    num_bytes: int
+    layers_direct: tuple[str, ...]
+    layers_processed: tuple[str, ...]
+    keys_replayed: int
+    keys_via_loader: int
+    keys_ignored: tuple[str, ...]
+    peak_buffered_bytes: int
+    spilled_bytes: int
+    budget_bytes: int
+    seconds: dict[str, float] = field(default_factory=dict)
+    fingerprint: str | None = None
+    partial: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def summary(self) -> str:
+        """One line for logs: version, tensors, MB, paths, peak buffer, seconds."""
+        return (
+            f"version={self.version} tensors={self.num_tensors} MB={self.num_bytes / 1e6:.1f} "
+            f"direct={len(self.layers_direct)} processed={len(self.layers_processed)} "
+            f"peak_buffered_MB={self.peak_buffered_bytes / 1e6:.1f} "
+            f"total_s={self.seconds.get('total', 0.0):.3f}"
+        )
+
+
+def fingerprint(model: nn.Module) -> str:
+    """A SHA-256 over names, dtypes, shapes and on-device checksums of all graph-visible tensors.
+
+    Two models with bitwise-equal kernel tensors under the same names have the same fingerprint; data
+    never leaves the device except as one 64-bit checksum per tensor.
+    """
+    h = hashlib.sha256()
+    items = sorted(
+        ((name, t) for name, t in iter_graph_visible_tensors(model) if t.device.type != "meta"),
+        key=lambda item: item[0],
+    )
+    for name, t in items:
+        h.update(name.encode())
+        h.update(dtype_to_str(t.dtype).encode())
+        h.update(repr(tuple(t.shape)).encode())
+        h.update(tensor_checksum(t).to_bytes(8, "little", signed=False))
+    return h.hexdigest()

@@ -1,0 +1,563 @@
+"""UpdateSession: one weight update as a transaction over a live model.
+
+Life of a session: ``begin_update`` validates the manifest against the plan (before any write) and snapshots
+pointer signatures; ``load`` takes (name, tensor) pairs in any order; ``finish`` checks completeness, runs
+post-update hooks, verifies that no graph-visible tensor moved, and returns an :class:`UpdateReport`.
+
+Two paths per layer. *Direct* layers (kernel format == model format) get their slices copied straight into
+live storage. *Processed* layers (online quantization, repacking) get zero-filled model-format staging
+tensors when their first key arrives; when their last expected key arrives they are processed and the
+resulting kernel tensors are copied into the kernel tensors that existed before, whose objects (and
+addresses) are then reinstalled. Staging of pending layers on the model's device is capped by the budget;
+beyond it staging goes to host memory (pinned on CUDA) and moves back only to be processed.
+
+Failure at any point aborts: with ``rollback=True`` every layer written so far is restored bitwise from a
+host snapshot taken just before its first write; otherwise the model is marked torn and refuses to serve
+until a full update succeeds. It never silently serves a mix of versions.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from weight_sync.errors import (
+    DuplicateTensorError,
+    IncompleteUpdateError,
+    LayoutMismatchError,
+    ManifestError,
+    UpdateStateError,
+    WeightSyncError,
+)
+from weight_sync.layers.meta import install_tensor, rematerialize
+from weight_sync.layers.tensors import graph_visible_tensors, signatures, verify_signatures
+from weight_sync.manifest import Manifest, TensorMeta
+from weight_sync.reload.plan import CopyOp, KeyPlan, Plan, plan_keys
+from weight_sync.reload.report import UpdateReport, fingerprint
+from weight_sync.reload.state import LayerInfo, ModelState, model_load_weights
+
+__all__ = ["UpdateSession"]
+
+log = logging.getLogger(__name__)
+
+
+def _fmt(shape: tuple[int, ...], dtype: torch.dtype) -> str:
+    return f"{tuple(shape)} {str(dtype).removeprefix('torch.')}"
+
+
+def _names(items: Iterable[str], limit: int = 8) -> str:
+    items = sorted(items)
+    shown = ", ".join(items[:limit])
+    return shown + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")
+
+
+@dataclass(slots=True)
+class _OpenLayer:
+    """A processed layer whose keys are still arriving: its staging and the kernel objects it replaced."""
+
+    info: LayerInfo
+    remaining: set[str]
+    staging: dict[str, torch.Tensor]
+    params: dict[str, Any]
+    buffers: dict[str, Any]
+    tensor_attrs: dict[str, torch.Tensor]
+    extra_attrs: dict[str, Any]
+    nbytes: int
+    spilled: bool
+    keys_seen: set[str] = field(default_factory=set)
+
+
+class UpdateSession:
+    """A weight update in progress on one model; create it with :func:`weight_sync.begin_update`."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        state: ModelState,
+        *,
+        manifest: Manifest | None = None,
+        budget_bytes: int | None = None,
+        rollback: bool = False,
+        version: Any = None,
+        allow_partial: bool = False,
+        compute_fingerprint: bool = True,
+    ) -> None:
+        if state.active is not None:
+            raise UpdateStateError(
+                f"an update (version {state.active.version!r}) is already in progress on this model; "
+                "finish or abort it first"
+            )
+        t0 = time.perf_counter()
+        self.model = model
+        self.state = state
+        self.manifest = manifest
+        self.rollback = rollback
+        self.version = version if version is not None else (manifest.version if manifest else None)
+        self.allow_partial = allow_partial
+        self.compute_fingerprint = compute_fingerprint
+        self.device = _model_device(model)
+        if budget_bytes is not None and budget_bytes < 0:
+            raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
+        self.budget_bytes = state.largest_block_bytes() if budget_bytes is None else budget_bytes
+        if state.plan is None:
+            state.plan = Plan()
+        self.plan: Plan = state.plan
+        self._status = "open"
+        self._arrived: set[str] = set()
+        self._open: dict[str, _OpenLayer] = {}
+        self._touched: set[str] = set()
+        self._snapshots: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._direct_done: set[str] = set()
+        self._processed_done: list[str] = []
+        self._buffered = 0
+        self._peak = 0
+        self._spilled = 0
+        self._warned = False
+        self._num_bytes = 0
+        self._replayed = 0
+        self._via_loader = 0
+        self._ignored: list[str] = []
+        self._seconds = {"plan": 0.0, "load": 0.0, "process": 0.0, "copy_back": 0.0}
+        self._t0 = t0
+        if manifest is not None:
+            self._validate_manifest(manifest)
+        self.expected: set[str] | None = (
+            set(manifest.names) if manifest is not None
+            else set(state.reference.names) if state.reference is not None else None
+        )
+        self._before = signatures(model)
+        self._seconds["plan"] = time.perf_counter() - t0
+        state.active = self
+
+    # ------------------------------------------------------------------ validation
+    def _plan_missing(self, metas: list[TensorMeta]) -> dict[str, WeightSyncError]:
+        todo = [m for m in metas if m.name not in self.plan.keys]
+        plans, problems = plan_keys(self.model, self.state, todo)
+        for kp in plans:
+            self.plan.add(kp)
+        return problems
+
+    def _check_against_plan(self, kp: KeyPlan, shape: tuple[int, ...], dtype: torch.dtype) -> str | None:
+        if tuple(shape) != kp.shape:
+            return f"{kp.name}: engine expects {_fmt(kp.shape, kp.dtype)}, got {_fmt(shape, dtype)}"
+        if kp.mode != "ignored" and not dtype.is_floating_point and kp.dtype.is_floating_point:
+            return (
+                f"{kp.name}: engine expects a floating-point tensor {_fmt(kp.shape, kp.dtype)}, "
+                f"got {_fmt(shape, dtype)}"
+            )
+        return None
+
+    def _validate_manifest(self, manifest: Manifest) -> None:
+        problems = {k: str(e) for k, e in self._plan_missing(list(manifest)).items()}
+        for m in manifest:
+            kp = self.plan.keys.get(m.name)
+            if kp is not None and m.name not in problems:
+                msg = self._check_against_plan(kp, m.shape, m.dtype)
+                if msg:
+                    problems[m.name] = msg
+        if not self.allow_partial and self.state.reference is not None:
+            lacking = [n for n in self.state.reference.names if n not in manifest]
+            lacking = [n for n in lacking if self.plan.keys.get(n) is None or self.plan.keys[n].mode != "ignored"]
+            if lacking:
+                problems["<coverage>"] = (
+                    f"the manifest lacks {len(lacking)} tensor(s) the model expects: {_names(lacking)} "
+                    "(pass allow_partial=True to update a subset)"
+                )
+        # A processed layer can only be processed from all of its keys.
+        announced = set(manifest.names)
+        for m in manifest:
+            kp = self.plan.keys.get(m.name)
+            if kp is None:
+                continue
+            for layer in kp.layers:
+                info = self.state.layers[layer]
+                if not info.direct:
+                    lacking = self.plan.layer_keys.get(layer, set()) - announced
+                    if lacking:
+                        problems.setdefault(
+                            f"<layer {layer}>",
+                            f"layer {layer} needs processing and so needs all of its tensors; "
+                            f"the manifest lacks {_names(lacking)}",
+                        )
+        if problems:
+            first = list(problems.values())
+            raise ManifestError(
+                f"manifest rejected before any write ({len(first)} problem(s)): " + "; ".join(first[:5])
+                + (f"; ... ({len(first) - 5} more)" if len(first) > 5 else "")
+            )
+
+    def layer_order(self, names: Iterable[str]) -> list[str]:
+        """``names`` sorted so every layer's keys come together, layers in model order (stable).
+
+        Keys the plan does not know keep their relative place at the end.
+        """
+        rank = {name: i for i, name in enumerate(self.state.layers)}
+        end = len(rank)
+
+        def key(n: str) -> int:
+            kp = self.plan.keys.get(n)
+            return min((rank[layer] for layer in kp.layers), default=end) if kp else end
+
+        return sorted(names, key=key)
+
+    # ------------------------------------------------------------------ loading
+    def load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load (name, tensor) pairs; the tensors may be reused by the caller once this returns."""
+        self._require_open()
+        try:
+            for name, tensor in named_tensors:
+                self._load_one(name, tensor)
+        except BaseException as e:
+            self._fail(e)
+            raise
+
+    def _key_plan(self, name: str, tensor: torch.Tensor) -> KeyPlan:
+        kp = self.plan.keys.get(name)
+        if kp is None:
+            t0 = time.perf_counter()
+            problems = self._plan_missing([TensorMeta(name, tensor.dtype, tuple(tensor.shape))])
+            self._seconds["plan"] += time.perf_counter() - t0
+            if name in problems:
+                raise problems[name]
+            kp = self.plan.keys[name]
+        return kp
+
+    def _load_one(self, name: str, tensor: torch.Tensor) -> None:
+        t0 = time.perf_counter()
+        if not isinstance(tensor, torch.Tensor):
+            raise LayoutMismatchError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
+        if name in self._arrived:
+            raise DuplicateTensorError(f"{name}: arrived twice in update {self.version!r}")
+        if self.manifest is not None:
+            if name not in self.manifest:
+                raise ManifestError(f"{name}: was not announced in the manifest of update {self.version!r}")
+            m = self.manifest[name]
+            if tuple(tensor.shape) != m.shape or tensor.dtype != m.dtype:
+                raise ManifestError(
+                    f"{name}: manifest announced {_fmt(m.shape, m.dtype)}, "
+                    f"got {_fmt(tuple(tensor.shape), tensor.dtype)}"
+                )
+        kp = self._key_plan(name, tensor)
+        msg = self._check_against_plan(kp, tuple(tensor.shape), tensor.dtype)
+        if msg:
+            raise LayoutMismatchError(msg)
+        self._arrived.add(name)
+        self._num_bytes += tensor.numel() * tensor.element_size()
+        if kp.mode == "ignored":
+            self._ignored.append(name)
+            self._seconds["load"] += time.perf_counter() - t0
+            return
+        for layer in kp.layers:
+            self._prepare(layer)
+        if kp.mode == "copy":
+            src = tensor
+            if not src.is_contiguous() and not all(op.src_whole for op in kp.ops):
+                src = src.contiguous()
+            for op in kp.ops:
+                self._copy(op, src)
+            self._replayed += 1
+        else:
+            load = model_load_weights(self.model)
+            assert load is not None  # a key with a plan was planned through this loader
+            load([(name, tensor)])
+            self._via_loader += 1
+        self._seconds["load"] += time.perf_counter() - t0
+        for layer in kp.layers:
+            ol = self._open.get(layer)
+            if ol is not None:
+                ol.remaining.discard(name)
+                ol.keys_seen.add(name)
+                if not ol.remaining and self.expected is not None:
+                    self._complete(ol)
+            else:
+                self._direct_done.add(layer)
+
+    def _target(self, op: CopyOp) -> torch.Tensor:
+        ol = self._open.get(op.layer)
+        if ol is not None:
+            return ol.staging[op.tensor]
+        mod = self.state.layers[op.layer].module
+        t = mod._parameters.get(op.tensor)
+        return t if t is not None else mod._buffers[op.tensor]
+
+    def _copy(self, op: CopyOp, src: torch.Tensor) -> None:
+        base = self._target(op)
+        dst = base.as_strided(op.dst_size, op.dst_stride, base.storage_offset() + op.dst_offset)
+        if not op.src_whole:
+            src = src.as_strided(op.src_size, op.src_stride, src.storage_offset() + op.src_offset)
+        dst.copy_(src)
+
+    def _prepare(self, layer: str) -> None:
+        """Make ``layer`` ready to receive data: snapshot (rollback) a direct layer, open a processed one."""
+        if layer in self._open or layer in self._touched:
+            return
+        info = self.state.layers[layer]
+        if info.direct:
+            self._snapshot(info)
+            self._touched.add(layer)
+            return
+        self._open_processed(info)
+
+    def _snapshot(self, info: LayerInfo) -> None:
+        if not self.rollback or info.name in self._snapshots:
+            return
+        snaps = []
+        for t in graph_visible_tensors(info.module).values():
+            if t.device.type != "meta":
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda).copy_(t) \
+                    if t.is_contiguous() else t.detach().to("cpu", copy=True)
+                snaps.append((t, host))
+        self._snapshots[info.name] = snaps
+
+    def _open_processed(self, info: LayerInfo) -> None:
+        mod = info.module
+        nbytes = info.model_format_bytes
+        spill = self._buffered + nbytes > self.budget_bytes
+        if self._open and not self._warned:
+            self._warned = True
+            pending = sorted(self._open)
+            log.warning(
+                "update %r: buffering %d bytes of model-format staging for pending layers %s while "
+                "layer %s starts; weights out of block order cost memory: send every tensor of a layer "
+                "before the next layer's",
+                self.version, self._buffered + (0 if spill else nbytes), pending, info.name,
+            )
+        where = torch.device("cpu") if spill else self.device
+        pin = spill and self.device.type == "cuda"
+        staging = {rec.name: rematerialize(rec, where, pin=pin) for rec in info.records.values()}
+        extra = {
+            k: v for k, v in vars(mod).items()
+            if k not in info.initial_attrs and not isinstance(v, torch.Tensor)
+        }
+        ol = _OpenLayer(
+            info=info,
+            remaining=set(self.plan.layer_keys.get(info.name, set())),
+            staging=staging,
+            params=dict(mod._parameters),
+            buffers=dict(mod._buffers),
+            tensor_attrs={k: v for k, v in vars(mod).items() if isinstance(v, torch.Tensor)},
+            extra_attrs=extra,
+            nbytes=nbytes,
+            spilled=spill,
+        )
+        # Back to model format: flags a processor set (e.g. "already processed") must not survive,
+        # or the processor would skip the new weights.
+        for k in extra:
+            del mod.__dict__[k]
+        for rec in info.records.values():
+            install_tensor(mod, rec, staging[rec.name])
+        self._open[info.name] = ol
+        if spill:
+            self._spilled += nbytes
+            log.warning(
+                "update %r: budget of %d bytes reached; staging %d bytes of %s in host memory",
+                self.version, self.budget_bytes, nbytes, info.name,
+            )
+        else:
+            self._buffered += nbytes
+            self._peak = max(self._peak, self._buffered)
+
+    def _complete(self, ol: _OpenLayer) -> None:
+        """Process a layer whose keys have all arrived and copy its kernel tensors into the old ones."""
+        info, mod = ol.info, ol.info.module
+        t0 = time.perf_counter()
+        if ol.spilled:
+            for rec in info.records.values():
+                on_device = ol.staging[rec.name].detach().to(self.device)
+                install_tensor(mod, rec, rematerialize(rec, self.device, data=on_device))
+        assert info.processor is not None
+        info.processor(mod)
+        t1 = time.perf_counter()
+        produced = graph_visible_tensors(mod)
+        old = {**ol.params, **ol.buffers, **ol.tensor_attrs}
+        old = {k: v for k, v in old.items() if v is not None and v.device.type != "meta"}
+        if old:
+            for k in produced:
+                if k not in old:
+                    raise LayoutMismatchError(
+                        f"{info.name}.{k}: processing produced a tensor the live layer did not have"
+                    )
+            for k, dst in old.items():
+                new = produced.get(k)
+                if new is None:
+                    raise LayoutMismatchError(
+                        f"{info.name}.{k}: processing no longer produces this kernel tensor"
+                    )
+                if tuple(new.shape) != tuple(dst.shape) or new.dtype != dst.dtype:
+                    raise LayoutMismatchError(
+                        f"{info.name}.{k}: kernel tensor is {_fmt(tuple(dst.shape), dst.dtype)}, "
+                        f"processing produced {_fmt(tuple(new.shape), new.dtype)}"
+                    )
+            self._snapshot(info)
+            self._touched.add(info.name)
+            for k, dst in old.items():
+                new = produced[k]
+                if new is not dst:
+                    dst.copy_(new)
+            self._restore_objects(ol, keep_new_attrs=True)
+        else:
+            # First load: nothing was live, the processed tensors become the kernel tensors.
+            self._touched.add(info.name)
+        del self._open[info.name]
+        if not ol.spilled:
+            self._buffered -= ol.nbytes
+        ol.staging.clear()
+        self._processed_done.append(info.name)
+        self._seconds["process"] += t1 - t0
+        self._seconds["copy_back"] += time.perf_counter() - t1
+
+    def _restore_objects(self, ol: _OpenLayer, *, keep_new_attrs: bool) -> None:
+        mod = ol.info.module
+        new_extra = {
+            k: v for k, v in vars(mod).items()
+            if k not in ol.info.initial_attrs and not isinstance(v, torch.Tensor)
+        }
+        mod._parameters.clear()
+        mod._parameters.update(ol.params)
+        mod._buffers.clear()
+        mod._buffers.update(ol.buffers)
+        for k in [k for k, v in vars(mod).items() if isinstance(v, torch.Tensor)]:
+            del mod.__dict__[k]
+        mod.__dict__.update(ol.tensor_attrs)
+        for k in new_extra:
+            del mod.__dict__[k]
+        mod.__dict__.update(new_extra if keep_new_attrs else ol.extra_attrs)
+
+    # ------------------------------------------------------------------ ending
+    def _require_open(self) -> None:
+        if self._status != "open":
+            raise UpdateStateError(f"update {self.version!r} is already {self._status}")
+
+    def missing(self) -> list[str]:
+        """Expected keys that have not arrived yet (ignored keys excluded)."""
+        if self.expected is None:
+            return []
+        out = []
+        for n in self.expected - self._arrived:
+            kp = self.plan.keys.get(n)
+            if kp is None or kp.mode != "ignored":
+                out.append(n)
+        return sorted(out)
+
+    def finish(self) -> UpdateReport:
+        """Commit: check completeness, process what is pending, verify pointers, run hooks, report."""
+        self._require_open()
+        try:
+            missing = self.missing()
+            if missing and not self.allow_partial:
+                raise IncompleteUpdateError(
+                    f"update {self.version!r} finished with {len(missing)} expected tensor(s) missing: "
+                    f"{_names(missing)}",
+                    tuple(missing),
+                )
+            for ol in list(self._open.values()):
+                if self.expected is None:
+                    self._complete(ol)  # no key list known: every layer waited for the end
+                elif ol.remaining:
+                    raise IncompleteUpdateError(
+                        f"layer {ol.info.name} needs processing and so needs all of its tensors; "
+                        f"missing {_names(ol.remaining)}",
+                        tuple(sorted(ol.remaining)),
+                    )
+            t0 = time.perf_counter()
+            for hook in self.state.post_update_hooks:
+                hook(self.model)
+            t1 = time.perf_counter()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            verify_signatures(self.model, self._before)
+            t2 = time.perf_counter()
+        except BaseException as e:
+            self._fail(e)
+            raise
+        partial = bool(missing)
+        self._status = "finished"
+        self.state.active = None
+        if not partial:
+            self.state.torn = None
+            if self.manifest is not None:
+                self.state.reference = Manifest(
+                    tuple(TensorMeta(m.name, m.dtype, m.shape) for m in self.manifest)
+                )
+            elif self.state.reference is None:
+                self.state.reference = Manifest(
+                    tuple(TensorMeta(n, kp.dtype, kp.shape) for n, kp in self.plan.keys.items()
+                          if n in self._arrived)
+                )
+            self.state.version = self.version
+        self._seconds["hooks"] = t1 - t0
+        self._seconds["verify"] = t2 - t1
+        fp = fingerprint(self.model) if self.compute_fingerprint else None
+        self._seconds["total"] = time.perf_counter() - self._t0
+        processed = set(self._processed_done)
+        return UpdateReport(
+            version=self.version,
+            num_tensors=len(self._arrived),
+            num_bytes=self._num_bytes,
+            layers_direct=tuple(sorted(self._direct_done - processed)),
+            layers_processed=tuple(self._processed_done),
+            keys_replayed=self._replayed,
+            keys_via_loader=self._via_loader,
+            keys_ignored=tuple(self._ignored),
+            peak_buffered_bytes=self._peak,
+            spilled_bytes=self._spilled,
+            budget_bytes=self.budget_bytes,
+            seconds=dict(self._seconds),
+            fingerprint=fp,
+            partial=partial,
+        )
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._status == "open":
+            self.abort(reason=f"{type(exc).__name__}: {exc}")
+
+    def abort(self, reason: str = "aborted by the caller") -> None:
+        """Give up this update: roll back (if enabled) or mark the model torn if anything was written."""
+        if self._status != "open":
+            return
+        for ol in list(self._open.values()):
+            self._restore_objects(ol, keep_new_attrs=False)
+        self._open.clear()
+        if self.rollback:
+            for snaps in self._snapshots.values():
+                for live, host in snaps:
+                    live.copy_(host)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            unrestored = self._touched - set(self._snapshots)
+            if unrestored:
+                self.state.torn = f"update {self.version!r} failed: {reason}"
+        elif self._touched:
+            self.state.torn = f"update {self.version!r} failed: {reason}"
+        self._status = "aborted"
+        self.state.active = None
+
+    def __enter__(self) -> UpdateSession:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc is not None:
+            self._fail(exc)
+        elif self._status == "open":
+            self.finish()
+
+    @property
+    def status(self) -> str:
+        """'open', 'finished' or 'aborted'."""
+        return self._status
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for t in model.parameters():
+        if t.device.type != "meta":
+            return t.device
+    for t in model.buffers():
+        if t.device.type != "meta":
+            return t.device
+    return torch.device("cpu")

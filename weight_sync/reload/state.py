@@ -1,0 +1,176 @@
+"""Per-model reload state: model-format records per layer, the plan, the torn flag, post-update hooks.
+
+State lives in a WeakKeyDictionary keyed by the model, so weight_sync never adds attributes a model's own
+code could trip over and a model that goes away takes its state with it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from weight_sync.errors import UpdateStateError
+from weight_sync.layers.blocks import block_key
+from weight_sync.layers.meta import TensorRecord, capture_layer, records_nbytes
+from weight_sync.layers.tensors import graph_visible_tensors
+
+if TYPE_CHECKING:
+    from weight_sync.manifest import Manifest
+    from weight_sync.reload.plan import Plan
+
+__all__ = [
+    "LayerInfo",
+    "ModelState",
+    "get_state",
+    "register_direct_method",
+    "register_post_update_hook",
+    "torn_reason",
+]
+
+_STATES: weakref.WeakKeyDictionary[nn.Module, ModelState] = weakref.WeakKeyDictionary()
+
+# Class names of foreign linear methods whose processing is known to be a no-op, so their layers can take
+# the direct path (integrations register theirs; unknown methods are assumed to process).
+_DIRECT_METHODS: set[str] = set()
+
+
+def register_direct_method(cls_name: str) -> None:
+    """Declare that layers using the method class ``cls_name`` need no processing after loading."""
+    _DIRECT_METHODS.add(cls_name)
+
+
+@dataclass(slots=True)
+class LayerInfo:
+    """One layer (a module that owns tensors) and how reload treats it."""
+
+    name: str
+    module: nn.Module
+    records: dict[str, TensorRecord]
+    processor: Callable[[nn.Module], None] | None
+    block: str
+    initial_attrs: frozenset[str] = frozenset()
+
+    @property
+    def direct(self) -> bool:
+        return self.processor is None
+
+    @property
+    def model_format_bytes(self) -> int:
+        return records_nbytes(self.records)
+
+
+@dataclass(slots=True)
+class ModelState:
+    """Everything reload remembers about one model between updates."""
+
+    layers: dict[str, LayerInfo]
+    plan: Plan | None = None
+    reference: Manifest | None = None
+    torn: str | None = None
+    version: Any = None
+    active: Any = None  # the open UpdateSession, if any
+    post_update_hooks: list[Callable[[nn.Module], None]] = field(default_factory=list)
+
+    def largest_block_bytes(self) -> int:
+        """Model-format bytes of the processed layers of the largest block (the default budget)."""
+        per_block: dict[str, int] = {}
+        largest_layer = 0
+        for info in self.layers.values():
+            if info.direct:
+                continue
+            n = info.model_format_bytes
+            per_block[info.block] = per_block.get(info.block, 0) + n
+            largest_layer = max(largest_layer, n)
+        return max([largest_layer, *per_block.values()])
+
+
+def _processor_for(module: nn.Module) -> Callable[[nn.Module], None] | None:
+    explicit = getattr(module, "ws_processor", None)
+    if explicit is not None:
+        return explicit
+    qm = getattr(module, "quant_method", None)
+    if qm is not None:
+        needs = getattr(qm, "requires_processing", None)
+        if needs is False or type(qm).__name__ in _DIRECT_METHODS:
+            return None
+        return qm.process_weights_after_loading
+    own = getattr(type(module), "process_weights_after_loading", None)
+    if own is not None:
+        return module.process_weights_after_loading  # type: ignore[no-any-return]
+    return None
+
+
+def record_layers(model: nn.Module) -> dict[str, LayerInfo]:
+    """Capture model-format records of every layer of ``model`` (call right after construction)."""
+    layers: dict[str, LayerInfo] = {}
+    seen: set[int] = set()
+    for name, mod in model.named_modules():
+        if not graph_visible_tensors(mod):
+            continue
+        records = capture_layer(mod)
+        # A tensor shared by two layers (tied embeddings) belongs to the first one that owns it.
+        own = {}
+        for n, r in records.items():
+            t = mod._parameters.get(n) if r.kind == "parameter" else mod._buffers.get(n)
+            if t is not None and id(t) in seen:
+                continue
+            if t is not None:
+                seen.add(id(t))
+            own[n] = r
+        if not own:
+            continue
+        layers[name] = LayerInfo(
+            name=name,
+            module=mod,
+            records=own,
+            processor=_processor_for(mod),
+            block=block_key(f"{name}.x").name,
+            initial_attrs=frozenset(vars(mod)),
+        )
+    return layers
+
+
+def get_state(model: nn.Module, *, create: bool = False) -> ModelState:
+    """The reload state of ``model``; with ``create`` it is recorded now if it was not before."""
+    state = _STATES.get(model)
+    if state is None:
+        if not create:
+            raise UpdateStateError(
+                f"{type(model).__name__} has no reload metadata: call "
+                "record_metadata_for_reloading(model) right after building it"
+            )
+        state = ModelState(layers=record_layers(model))
+        _STATES[model] = state
+    return state
+
+
+def model_load_weights(model: nn.Module) -> Callable[[Iterable[tuple[str, Any]]], Any] | None:
+    """The model's own ``load_weights`` (not the routing shim ``initialize_layerwise_reload`` installs)."""
+    saved = model.__dict__.get("_ws_saved_load_weights")
+    if saved is not None:
+        return saved
+    fn = getattr(type(model), "load_weights", None)
+    if fn is not None:
+        return fn.__get__(model)
+    if "_ws_saved_load_weights" in model.__dict__:
+        return None
+    return model.__dict__.get("load_weights")
+
+
+def has_state(model: nn.Module) -> bool:
+    return model in _STATES
+
+
+def torn_reason(model: nn.Module) -> str | None:
+    """Why the model is torn (a failed update left mixed weights), or None when it is servable."""
+    state = _STATES.get(model)
+    return None if state is None else state.torn
+
+
+def register_post_update_hook(model: nn.Module, hook: Callable[[nn.Module], None]) -> None:
+    """Run ``hook(model)`` after every successful update (refresh state derived from weights)."""
+    get_state(model, create=True).post_update_hooks.append(hook)

@@ -1,0 +1,116 @@
+"""Run a function on N spawned ranks with a process group: free port, tracebacks back, no hangs.
+
+The parent hosts the TCPStore on a port the OS picks (port 0), so there is no race for a "free" port; every
+child joins it as a client. Each rank returns ``fn(rank, world_size, *args)``'s result (picklable) or its
+traceback as text; the first failure terminates the other ranks and raises in the parent, and a run that
+outlasts ``timeout_s`` is terminated and reported with the ranks that had not finished.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+__all__ = ["DistributedFailure", "run_distributed"]
+
+
+class DistributedFailure(RuntimeError):
+    """A rank raised (the message carries its traceback) or the run timed out."""
+
+
+def _child(
+    fn: Callable[..., Any], rank: int, world_size: int, backend: str, port: int, args: tuple,
+    results: Any, timeout_s: float, env: dict[str, str],
+) -> None:
+    os.environ.update(env)
+    try:
+        import torch.distributed as dist
+
+        store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False,
+                              timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout_s))
+        try:
+            out = fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+        # Plain pickle copies tensors by value: torch's queue reductions would pass a shared-memory fd
+        # that dies with this process before the parent reads it.
+        results.put((rank, "ok", pickle.dumps(out)))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout_s: float = 180.0,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Spawn ``world_size`` ranks running ``fn(rank, world_size, *args)``; return results by rank.
+
+    ``fn`` must be importable (defined at module level). ``env`` is added to each child's environment.
+    """
+    import torch.distributed as dist
+
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = mp.get_context("spawn")
+    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True,
+                          timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(
+            target=_child,
+            args=(fn, r, world_size, backend, store.port, args, results, timeout_s, dict(env or {})),
+            daemon=True,
+        )
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(out) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(world_size)) - set(out))
+                raise DistributedFailure(f"ranks {missing} did not finish within {timeout_s:.0f} s")
+            try:
+                rank, status, payload = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs)
+                        if r not in out and not p.is_alive() and p.exitcode not in (0, None)]
+                if dead:
+                    # A rank died without reporting (killed, segfault): give the queue a moment to
+                    # deliver a late message, then fail with its exit code.
+                    try:
+                        rank, status, payload = results.get(timeout=2.0)
+                    except queue.Empty:
+                        codes = {r: procs[r].exitcode for r in dead}
+                        raise DistributedFailure(f"ranks died without a result: exit codes {codes}") from None
+                else:
+                    continue
+            if status == "error":
+                raise DistributedFailure(f"rank {rank} of {world_size} failed:\n{payload}")
+            out[rank] = pickle.loads(payload)
+    finally:
+        for p in procs:
+            if p.is_alive() and len(out) < world_size:
+                p.terminate()
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+        del store
+    return [out[r] for r in range(world_size)]
