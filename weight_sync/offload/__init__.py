@@ -1,0 +1,1 @@
+"""Distributed layerwise offload (DLO): plan, host storage, streamer, runtime-weight cache."""
