@@ -16,9 +16,9 @@ from weight_sync.engine.parallel import (
     RowParallelLinear,
     TPInfo,
     VocabParallelEmbedding,
-    default_weight_loader,
 )
 from weight_sync.errors import LayoutMismatchError, UnknownTensorError
+from weight_sync.layers.loading import default_weight_loader
 from weight_sync.quant.registry import make_linear_method
 
 __all__ = ["CausalLM", "KVCache", "RMSNorm"]

@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from weight_sync.errors import LayoutMismatchError
+from weight_sync.layers.loading import check_loadable
+from weight_sync.layers.loading import describe as _shape
 from weight_sync.quant.base import LinearMethod, UnquantizedLinearMethod, make_weight_param
 
 __all__ = [
@@ -27,8 +29,6 @@ __all__ = [
     "RowParallelLinear",
     "TPInfo",
     "VocabParallelEmbedding",
-    "check_loadable",
-    "default_weight_loader",
 ]
 
 
@@ -57,30 +57,6 @@ class TPInfo:
         parts = [torch.empty_like(t) for _ in range(self.size)]
         dist.all_gather(parts, t.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
-
-
-def _shape(t: torch.Tensor) -> str:
-    return f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
-
-
-def check_loadable(dest: torch.Tensor, loaded: torch.Tensor, what: str = "") -> None:
-    """Raise LayoutMismatchError unless ``loaded`` can be copied into ``dest`` (same shape, castable dtype).
-
-    Float -> float casts are allowed (bf16 checkpoint into an fp32 engine and back); an integer or bool
-    tensor for a floating-point weight is refused, as it cannot stand for the weight.
-    """
-    if tuple(dest.shape) != tuple(loaded.shape):
-        raise LayoutMismatchError(f"{what}expects {_shape(dest)}, got {_shape(loaded)}")
-    if dest.dtype.is_floating_point and not loaded.dtype.is_floating_point:
-        raise LayoutMismatchError(
-            f"{what}expects a floating-point tensor ({_shape(dest)}), got {_shape(loaded)}"
-        )
-
-
-def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
-    """Copy a whole tensor into a parameter after checking shape and dtype."""
-    check_loadable(param, loaded_weight)
-    param.data.copy_(loaded_weight)
 
 
 def _narrow_rows(loaded: torch.Tensor, start: int, size: int, what: str) -> torch.Tensor:

@@ -14,6 +14,7 @@ from weight_sync.layers.discovery import (
     get_submodule_path,
     largest_uniform_module_list,
 )
+from weight_sync.layers.loading import check_loadable, default_weight_loader
 from weight_sync.layers.meta import (
     TensorRecord,
     capture_layer,
@@ -41,6 +42,8 @@ __all__ = [
     "TensorSignature",
     "block_key",
     "capture_layer",
+    "check_loadable",
+    "default_weight_loader",
     "device_shim",
     "find_block_lists",
     "get_submodule_path",

@@ -21,6 +21,7 @@ from weight_sync.reload.plan import CopyOp, KeyPlan, Plan
 from weight_sync.reload.report import UpdateReport, fingerprint
 from weight_sync.reload.session import UpdateSession
 from weight_sync.reload.state import (
+    mark_layers_processed,
     register_direct_method,
     register_post_update_hook,
     torn_reason,
@@ -37,6 +38,7 @@ __all__ = [
     "fingerprint",
     "initialize_layerwise_reload",
     "manifest_from_checkpoint",
+    "mark_layers_processed",
     "record_metadata_for_reloading",
     "register_direct_method",
     "register_post_update_hook",

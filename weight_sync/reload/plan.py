@@ -186,8 +186,6 @@ def plan_keys(
     if not metas:
         return plans, problems
     load = model_load_weights(model)
-    if load is None:
-        raise WeightSyncError(f"{type(model).__name__} has no load_weights(weights) method to plan with")
     with swapped_tensors(state, state.layers.values()) as storages:
         bases = {}
         for info in state.layers.values():

@@ -115,6 +115,7 @@ class UpdateSession:
         self._snapshots: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._direct_done: set[str] = set()
         self._processed_done: list[str] = []
+        self._first_processed: list[LayerInfo] = []
         self._buffered = 0
         self._peak = 0
         self._spilled = 0
@@ -211,8 +212,10 @@ class UpdateSession:
         """Load (name, tensor) pairs; the tensors may be reused by the caller once this returns."""
         self._require_open()
         try:
-            for name, tensor in named_tensors:
-                self._load_one(name, tensor)
+            # Parameters may require grad (a trainer-side model); writes into them are not autograd ops.
+            with torch.no_grad():
+                for name, tensor in named_tensors:
+                    self._load_one(name, tensor)
         except BaseException as e:
             self._fail(e)
             raise
@@ -263,9 +266,7 @@ class UpdateSession:
                 self._copy(op, src)
             self._replayed += 1
         else:
-            load = model_load_weights(self.model)
-            assert load is not None  # a key with a plan was planned through this loader
-            load([(name, tensor)])
+            model_load_weights(self.model)([(name, tensor)])
             self._via_loader += 1
         self._seconds["load"] += time.perf_counter() - t0
         for layer in kp.layers:
@@ -304,11 +305,13 @@ class UpdateSession:
             return
         self._open_processed(info)
 
-    def _snapshot(self, info: LayerInfo) -> None:
+    def _snapshot(self, info: LayerInfo, tensors: dict[str, torch.Tensor] | None = None) -> None:
+        """Host copies of the layer's live tensors (or of ``tensors``), taken before their first write."""
         if not self.rollback or info.name in self._snapshots:
             return
         snaps = []
-        for t in graph_visible_tensors(info.module).values():
+        live = graph_visible_tensors(info.module) if tensors is None else tensors
+        for t in live.values():
             if t.device.type != "meta":
                 host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda).copy_(t) \
                     if t.is_contiguous() else t.detach().to("cpu", copy=True)
@@ -377,7 +380,7 @@ class UpdateSession:
         produced = graph_visible_tensors(mod)
         old = {**ol.params, **ol.buffers, **ol.tensor_attrs}
         old = {k: v for k, v in old.items() if v is not None and v.device.type != "meta"}
-        if old:
+        if info.processed:
             for k in produced:
                 if k not in old:
                     raise LayoutMismatchError(
@@ -394,7 +397,8 @@ class UpdateSession:
                         f"{info.name}.{k}: kernel tensor is {_fmt(tuple(dst.shape), dst.dtype)}, "
                         f"processing produced {_fmt(tuple(new.shape), new.dtype)}"
                     )
-            self._snapshot(info)
+            # The layer currently holds the processor's new tensors; the old kernel tensors are in `old`.
+            self._snapshot(info, old)
             self._touched.add(info.name)
             for k, dst in old.items():
                 new = produced[k]
@@ -402,8 +406,10 @@ class UpdateSession:
                     dst.copy_(new)
             self._restore_objects(ol, keep_new_attrs=True)
         else:
-            # First load: nothing was live, the processed tensors become the kernel tensors.
+            # First processing: the live tensors were model format (or meta); the processor's outputs
+            # become the kernel tensors, so their addresses are new by design.
             self._touched.add(info.name)
+            self._first_processed.append(info)
         del self._open[info.name]
         if not ol.spilled:
             self._buffered -= ol.nbytes
@@ -458,7 +464,8 @@ class UpdateSession:
                 )
             for ol in list(self._open.values()):
                 if self.expected is None:
-                    self._complete(ol)  # no key list known: every layer waited for the end
+                    with torch.no_grad():
+                        self._complete(ol)  # no key list known: every layer waited for the end
                 elif ol.remaining:
                     raise IncompleteUpdateError(
                         f"layer {ol.info.name} needs processing and so needs all of its tensors; "
@@ -471,12 +478,18 @@ class UpdateSession:
             t1 = time.perf_counter()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            verify_signatures(self.model, self._before)
+            before = self._before
+            if self._first_processed:
+                fresh = tuple(f"{i.name}." if i.name else "" for i in self._first_processed)
+                before = {k: v for k, v in before.items() if not k.startswith(fresh)}
+            verify_signatures(self.model, before)
             t2 = time.perf_counter()
         except BaseException as e:
             self._fail(e)
             raise
         partial = bool(missing)
+        for info in self._first_processed:
+            info.processed = True
         self._status = "finished"
         self.state.active = None
         if not partial:
@@ -525,9 +538,10 @@ class UpdateSession:
             self._restore_objects(ol, keep_new_attrs=False)
         self._open.clear()
         if self.rollback:
-            for snaps in self._snapshots.values():
-                for live, host in snaps:
-                    live.copy_(host)
+            with torch.no_grad():
+                for snaps in self._snapshots.values():
+                    for live, host in snaps:
+                        live.copy_(host)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             unrestored = self._touched - set(self._snapshots)

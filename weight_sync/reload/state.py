@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from weight_sync.errors import UpdateStateError
+from weight_sync.errors import LayoutMismatchError, UnknownTensorError, UpdateStateError
 from weight_sync.layers.blocks import block_key
+from weight_sync.layers.loading import check_loadable
 from weight_sync.layers.meta import TensorRecord, capture_layer, records_nbytes
 from weight_sync.layers.tensors import graph_visible_tensors
 
@@ -53,6 +54,9 @@ class LayerInfo:
     processor: Callable[[nn.Module], None] | None
     block: str
     initial_attrs: frozenset[str] = frozenset()
+    # False until the layer has been processed once: its live tensors are then model format (or meta)
+    # and the processor's outputs become the kernel tensors instead of being copied into them.
+    processed: bool = False
 
     @property
     def direct(self) -> bool:
@@ -89,6 +93,12 @@ class ModelState:
 
 
 def _processor_for(module: nn.Module) -> Callable[[nn.Module], None] | None:
+    """How a layer is processed after loading: ``fn(module)``, or None for the direct path.
+
+    In order: an explicit ``module.ws_processor``; the module's ``quant_method`` (vLLM convention),
+    unless it declares ``requires_processing = False`` or is registered direct; the module's own
+    ``process_weights_after_loading()``; otherwise no processing.
+    """
     explicit = getattr(module, "ws_processor", None)
     if explicit is not None:
         return explicit
@@ -98,10 +108,13 @@ def _processor_for(module: nn.Module) -> Callable[[nn.Module], None] | None:
         if needs is False or type(qm).__name__ in _DIRECT_METHODS:
             return None
         return qm.process_weights_after_loading
-    own = getattr(type(module), "process_weights_after_loading", None)
-    if own is not None:
-        return module.process_weights_after_loading  # type: ignore[no-any-return]
+    if getattr(type(module), "process_weights_after_loading", None) is not None:
+        return _call_own_processor
     return None
+
+
+def _call_own_processor(module: nn.Module) -> None:
+    module.process_weights_after_loading()  # type: ignore[operator]
 
 
 def record_layers(model: nn.Module) -> dict[str, LayerInfo]:
@@ -134,6 +147,16 @@ def record_layers(model: nn.Module) -> dict[str, LayerInfo]:
     return layers
 
 
+def mark_layers_processed(model: nn.Module) -> None:
+    """Declare that ``model``'s layers already hold kernel-format tensors (loaded by another loader).
+
+    Integrations call this when the engine's own loader did the first load and processing, so the next
+    reload copies into the existing kernel tensors instead of replacing them.
+    """
+    for info in get_state(model).layers.values():
+        info.processed = not info.direct
+
+
 def get_state(model: nn.Module, *, create: bool = False) -> ModelState:
     """The reload state of ``model``; with ``create`` it is recorded now if it was not before."""
     state = _STATES.get(model)
@@ -148,17 +171,40 @@ def get_state(model: nn.Module, *, create: bool = False) -> ModelState:
     return state
 
 
-def model_load_weights(model: nn.Module) -> Callable[[Iterable[tuple[str, Any]]], Any] | None:
-    """The model's own ``load_weights`` (not the routing shim ``initialize_layerwise_reload`` installs)."""
+def default_load_weights(model: nn.Module, weights: Iterable[tuple[str, Any]]) -> set[str]:
+    """Loader for models without ``load_weights``: names are parameter/buffer names, loading is a copy."""
+    targets = dict(model.named_parameters(remove_duplicate=False))
+    targets.update(model.named_buffers(remove_duplicate=False))
+    loaded = set()
+    for name, tensor in weights:
+        dest = targets.get(name)
+        if dest is None:
+            raise UnknownTensorError(f"{name}: {type(model).__name__} has no parameter or buffer of this name")
+        loader = getattr(dest, "weight_loader", None)
+        try:
+            if loader is not None:
+                loader(dest, tensor)
+            else:
+                check_loadable(dest, tensor)
+                dest.data.copy_(tensor)
+        except LayoutMismatchError as e:
+            raise LayoutMismatchError(f"{name}: {e}") from None
+        loaded.add(name)
+    return loaded
+
+
+def model_load_weights(model: nn.Module) -> Callable[[Iterable[tuple[str, Any]]], Any]:
+    """The model's own ``load_weights`` (not the routing shim ``initialize_layerwise_reload`` installs),
+    or :func:`default_load_weights` for models that have none."""
     saved = model.__dict__.get("_ws_saved_load_weights")
     if saved is not None:
         return saved
     fn = getattr(type(model), "load_weights", None)
     if fn is not None:
         return fn.__get__(model)
-    if "_ws_saved_load_weights" in model.__dict__:
-        return None
-    return model.__dict__.get("load_weights")
+    if "_ws_saved_load_weights" not in model.__dict__ and "load_weights" in model.__dict__:
+        return model.__dict__["load_weights"]
+    return lambda weights: default_load_weights(model, weights)
 
 
 def has_state(model: nn.Module) -> bool:
