@@ -192,19 +192,19 @@ class ReferenceEngine:
                 "pad": torch.zeros(bmax, dtype=torch.long, device=dev),
                 "slot": torch.zeros(1, dtype=torch.long, device=dev),
                 "keys": torch.arange(self.max_seq_len, device=dev),
-                "next": torch.zeros(bmax, dtype=torch.long, device=dev),
+                "logits": torch.zeros(bmax, self.config.vocab_size, dtype=torch.float32, device=dev),
             }
         return self._static
 
     def _decode_step(self) -> None:
-        """One greedy decode step over the static buffers (the body of the CUDA graph)."""
+        """One decode step over the static buffers (the body of the CUDA graph): next-token logits."""
         s = self._static
         assert s is not None and self._cache is not None
         pos = (s["slot"] - s["pad"]).clamp(min=0)[:, None]
         keys = s["keys"][None]
         mask = ((keys >= s["pad"][:, None]) & (keys <= s["slot"]))[:, None, None, :]
         h = self.model(s["ids"], pos, mask, self._cache, s["slot"])
-        s["next"].copy_(self.model.compute_logits(h[:, -1]).argmax(dim=-1))
+        s["logits"].copy_(self.model.compute_logits(h[:, -1]))
 
     def _run_decode(self) -> None:
         if not self.use_cuda_graph:
@@ -226,21 +226,47 @@ class ReferenceEngine:
 
     @torch.no_grad()
     def generate(
-        self, prompt_token_ids: Sequence[Sequence[int]], max_new_tokens: int
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        *,
+        temperature: float = 0.0,
+        seed: int | None = None,
     ) -> list[list[int]]:
-        """Greedy continuation of each prompt; returns only the new tokens."""
+        """Continue each prompt; returns only the new tokens.
+
+        temperature 0 (default) is greedy; > 0 samples from softmax(logits / temperature) with a
+        generator seeded by ``seed`` (reproducible rollouts).
+        """
         self._check_servable()
         prompts = [list(p) for p in prompt_token_ids]
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
+        gen = None
+        if temperature > 0:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(0 if seed is None else seed)
         out: list[list[int]] = []
         for i in range(0, len(prompts), self.max_batch_size):
-            out.extend(self._generate_batch(prompts[i : i + self.max_batch_size], max_new_tokens))
+            batch = prompts[i : i + self.max_batch_size]
+            out.extend(self._generate_batch(batch, max_new_tokens, temperature, gen))
         return out
 
-    def _generate_batch(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    @staticmethod
+    def _pick(logits: torch.Tensor, temperature: float, gen: torch.Generator | None) -> torch.Tensor:
+        if temperature == 0:
+            return logits.argmax(dim=-1)
+        probs = torch.softmax(logits.float() / temperature, dim=-1)
+        return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+
+    def _generate_batch(
+        self, prompts: list[list[int]], max_new_tokens: int, temperature: float,
+        gen: torch.Generator | None,
+    ) -> list[list[int]]:
         s = self._ensure_static()
         assert self._cache is not None
         b = len(prompts)
@@ -262,7 +288,7 @@ class ReferenceEngine:
             p, dtype=torch.bool, device=dev
         )[None]
         h = self.model(ids, pos, mask[:, None], self._cache)
-        nxt = self.model.compute_logits(h[:, -1]).argmax(dim=-1)
+        nxt = self._pick(self.model.compute_logits(h[:, -1]), temperature, gen)
         result = [[int(t)] for t in nxt.tolist()]
         s["pad"].zero_()
         s["pad"][:b].copy_(pads)
@@ -271,7 +297,7 @@ class ReferenceEngine:
             s["ids"][:b, 0].copy_(nxt)
             s["slot"].fill_(p + step)
             self._run_decode()
-            nxt = s["next"][:b]
+            nxt = self._pick(s["logits"][:b], temperature, gen)
             for row, tok in zip(result, nxt.tolist()):
                 row.append(int(tok))
         return result

@@ -109,6 +109,7 @@ class UpdateSession:
             state.plan = Plan()
         self.plan: Plan = state.plan
         self._status = "open"
+        self.report: UpdateReport | None = None  # set by finish()
         self._arrived: set[str] = set()
         self._open: dict[str, _OpenLayer] = {}
         self._touched: set[str] = set()
@@ -509,7 +510,7 @@ class UpdateSession:
         fp = fingerprint(self.model) if self.compute_fingerprint else None
         self._seconds["total"] = time.perf_counter() - self._t0
         processed = set(self._processed_done)
-        return UpdateReport(
+        self.report = UpdateReport(
             version=self.version,
             num_tensors=len(self._arrived),
             num_bytes=self._num_bytes,
@@ -525,6 +526,7 @@ class UpdateSession:
             fingerprint=fp,
             partial=partial,
         )
+        return self.report
 
     def _fail(self, exc: BaseException) -> None:
         if self._status == "open":
