@@ -112,7 +112,9 @@ class EntryManifest:
         return json.dumps(doc, sort_keys=True, indent=1)
 
 
-def _field(doc: Mapping[str, object], name: str, kind: type | tuple[type, ...], where: str) -> object:
+def _field(
+    doc: Mapping[str, object], name: str, kind: type | tuple[type, ...], where: str
+) -> object:
     if name not in doc:
         raise CacheError(f"{where}: missing field {name!r}")
     value = doc[name]
@@ -133,7 +135,9 @@ def _sha(value: object, where: str) -> str:
 def parse_manifest(raw: bytes, *, expect_key: str, source: str) -> EntryManifest:
     """Parse and validate manifest bytes read from ``source``; raise :class:`CacheError` naming the problem."""
     if len(raw) > MAX_MANIFEST_BYTES:
-        raise CacheError(f"{source}: manifest is {len(raw)} bytes, expected at most {MAX_MANIFEST_BYTES}")
+        raise CacheError(
+            f"{source}: manifest is {len(raw)} bytes, expected at most {MAX_MANIFEST_BYTES}"
+        )
     try:
         doc = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -145,7 +149,9 @@ def parse_manifest(raw: bytes, *, expect_key: str, source: str) -> EntryManifest
         raise CacheError(f"{source}: manifest format {fmt}, expected {CACHE_FORMAT_VERSION}")
     key = _field(doc, "key", str, source)
     if key != expect_key or not _KEY_RE.fullmatch(str(key)):
-        raise CacheError(f"{source}: manifest key {key!r} does not match its directory {expect_key!r}")
+        raise CacheError(
+            f"{source}: manifest key {key!r} does not match its directory {expect_key!r}"
+        )
     material = _field(doc, "key_material", dict, source)
     created = _field(doc, "created_unix_s", (int, float), source)
 
@@ -200,10 +206,15 @@ def parse_manifest(raw: bytes, *, expect_key: str, source: str) -> EntryManifest
         shape = _field(rec, "shape", list, where)
         assert isinstance(shape, list)
         if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-            raise CacheError(f"{where}: tensor {name!r} has shape {shape!r}, expected non-negative ints")
+            raise CacheError(
+                f"{where}: tensor {name!r} has shape {shape!r}, expected non-negative ints"
+            )
         tensors.append(
             TensorRecord(
-                name, str(file), SUPPORTED_DTYPES[str(dtype_name)], tuple(shape),
+                name,
+                str(file),
+                SUPPORTED_DTYPES[str(dtype_name)],
+                tuple(shape),
                 _sha(rec.get("sha256"), where),
             )
         )

@@ -46,9 +46,30 @@ MOUNTS_PATH = Path("/proc/mounts")
 _MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "devtmpfs", "hugetlbfs"})
 _NETWORK_FILESYSTEMS = frozenset(
     {
-        "nfs", "nfs4", "cifs", "smb3", "smbfs", "ncpfs", "9p", "afs", "ceph", "glusterfs",
-        "fuse.glusterfs", "fuse.sshfs", "fuse.s3fs", "fuse.gcsfuse", "fuse.juicefs", "lustre",
-        "gpfs", "beegfs", "orangefs", "pvfs2", "ocfs2", "gfs2", "davfs", "fuse.davfs2",
+        "nfs",
+        "nfs4",
+        "cifs",
+        "smb3",
+        "smbfs",
+        "ncpfs",
+        "9p",
+        "afs",
+        "ceph",
+        "glusterfs",
+        "fuse.glusterfs",
+        "fuse.sshfs",
+        "fuse.s3fs",
+        "fuse.gcsfuse",
+        "fuse.juicefs",
+        "lustre",
+        "gpfs",
+        "beegfs",
+        "orangefs",
+        "pvfs2",
+        "ocfs2",
+        "gfs2",
+        "davfs",
+        "fuse.davfs2",
     }
 )
 
@@ -157,7 +178,9 @@ class CacheRoot:
             _make_private_dir(self.path)
         st = os.lstat(self.path)
         if not stat.S_ISDIR(st.st_mode):
-            raise CacheError(f"cache root {self.path} must be a directory, found mode {st.st_mode:o}")
+            raise CacheError(
+                f"cache root {self.path} must be a directory, found mode {st.st_mode:o}"
+            )
         if st.st_uid != os.geteuid():
             raise CacheError(
                 f"cache root {self.path} must be owned by uid {os.geteuid()}, found uid {st.st_uid}"
@@ -187,13 +210,15 @@ class CacheRoot:
             logger.warning(
                 "runtime cache root %s is on %s (memory-backed): cached weights occupy RAM as well as "
                 "every mapping of them, so the cache cannot lower host memory; use a local disk",
-                self.path, fstype,
+                self.path,
+                fstype,
             )
         elif fstype in _NETWORK_FILESYSTEMS or (fstype or "").startswith("nfs"):
             logger.warning(
                 "runtime cache root %s is on %s (network filesystem): file locks and atomic renames "
                 "are not reliable across nodes and page sharing is node-local; use a local disk",
-                self.path, fstype,
+                self.path,
+                fstype,
             )
 
     def new_temp_dir(self, key: str) -> Path:
