@@ -1,0 +1,112 @@
+"""Module-level rank functions for the multi-rank offload tests (spawned by ``run_distributed``)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from weight_sync.errors import ConfigError
+from weight_sync.offload import (
+    DenoiseRequest,
+    OffloadConfig,
+    enable_layerwise_offload,
+    form_waves,
+    run_wave,
+)
+from weight_sync.testing.dit import DiTConfig, SyntheticDiTPipeline
+
+
+def _models(dit: dict[str, Any], device: str = "cpu") -> tuple[SyntheticDiTPipeline, SyntheticDiTPipeline]:
+    torch.manual_seed(0)  # every rank builds the same weights, as if loaded from one checkpoint
+    ref = SyntheticDiTPipeline(DiTConfig(**dit)).eval().to(device)
+    return ref, copy.deepcopy(ref)
+
+
+def _config(world: int, device: str, **kw: Any) -> OffloadConfig:
+    opts: dict[str, Any] = dict(enable_distributed_layerwise_offload=True, data_parallel_size=world, device=device)
+    opts.update(kw)
+    return OffloadConfig(**opts)
+
+
+def allgather_equal(rank: int, world: int, dit: dict[str, Any], opts: dict[str, Any], steps: int) -> dict[str, Any]:
+    """Offloaded (AllGather) vs resident output on this rank, with metrics and the post-disable output."""
+    torch.set_num_threads(1)
+    device = opts.pop("device", "cpu")
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
+    ref, off = _models(dit, device)
+    expected = ref.generate(tokens=24, num_inference_steps=steps, seed=rank)
+    handle = enable_layerwise_offload(off, _config(world, device, **opts))
+    out = off.generate(tokens=24, num_inference_steps=steps, seed=rank)
+    metrics = handle.metrics()
+    handle.disable()
+    after = off.generate(tokens=24, num_inference_steps=steps, seed=rank)
+    return {
+        "equal": torch.equal(out, expected),
+        "equal_after_disable": torch.equal(after, expected),
+        "metrics": metrics,
+    }
+
+
+def mismatched_schedule(rank: int, world: int) -> str:
+    """Rank 1 builds a wider model: every rank must fail at the digest check, before any gather."""
+    torch.set_num_threads(1)
+    _, off = _models({"num_blocks": 4, "hidden": 64 if rank == 0 else 96})
+    try:
+        enable_layerwise_offload(off, _config(world, "cpu"))
+    except ConfigError as e:
+        return str(e)
+    return "no error"
+
+
+def pin_failure_vote(rank: int, world: int) -> dict[str, Any]:
+    """Rank 1 cannot pin host memory; the vote must move both ranks to pageable shards."""
+    torch.set_num_threads(1)
+    import weight_sync.offload.handle as handle_mod
+    from weight_sync.offload.pinned import PinError
+
+    if rank == 1:
+        def refuse(t: torch.Tensor, *, device: torch.device, read_only: bool = False) -> Any:
+            raise PinError("injected: cannot page-lock memory on rank 1")
+
+        handle_mod.register_region = refuse  # type: ignore[assignment]
+    ref, off = _models({"num_blocks": 3})
+    expected = ref.generate(tokens=16, num_inference_steps=2, seed=rank)
+    handle = enable_layerwise_offload(off, _config(world, "cpu"))
+    out = off.generate(tokens=16, num_inference_steps=2, seed=rank)
+    m = handle.metrics()
+    handle.disable()
+    return {"equal": torch.equal(out, expected), "metrics": m}
+
+
+def dp_wave(rank: int, world: int, steps_per_request: list[int | None]) -> dict[str, Any]:
+    """Run one wave of ``world`` requests (one per rank) in lockstep; or report the rejection."""
+    torch.set_num_threads(1)
+    ref, off = _models({"num_blocks": 3})
+    handle = enable_layerwise_offload(off, _config(world, "cpu"))
+    requests = [
+        DenoiseRequest(request_id=f"req{i}", num_inference_steps=s, seed=100 + i)
+        for i, s in enumerate(steps_per_request)
+    ]
+    gathers_before = handle.metrics()["num_gathers"]
+    try:
+        waves = form_waves(requests, world)
+    except ConfigError as e:
+        return {"rejected": str(e), "gathers_before": gathers_before,
+                "gathers_after": handle.metrics()["num_gathers"]}
+
+    def run(req: DenoiseRequest | None, steps: int) -> torch.Tensor:
+        seed = req.seed if req is not None else 0
+        return off.generate(tokens=16, num_inference_steps=steps, seed=seed)
+
+    results = [run_wave(w, dp_rank=handle.dp_rank, run=run) for w in waves]
+    mine = results[0]
+    assert mine is not None
+    req = waves[0].request_for(handle.dp_rank)
+    assert req is not None
+    expected = ref.generate(tokens=16, num_inference_steps=waves[0].num_inference_steps, seed=req.seed)
+    handle.disable()
+    return {"rejected": "", "equal": torch.equal(mine, expected), "request": req.request_id}
