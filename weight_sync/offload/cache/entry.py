@@ -13,6 +13,7 @@ import hashlib
 import logging
 import mmap
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from weight_sync.offload.cache.entry_manifest import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
     EntryManifest,
+    FileRecord,
     TensorRecord,
     parse_manifest,
 )
@@ -136,23 +138,37 @@ def _sha256_of_file(path: Path, nbytes: int) -> str:
     return h.hexdigest()
 
 
+def _check_file(entry: Path, rec: FileRecord) -> None:
+    # rec.name matched the fixed shard pattern in parse_manifest, so this join stays inside entry.
+    path = entry / rec.name
+    try:
+        size = os.stat(path).st_size
+    except OSError as e:
+        raise CacheError(f"{path}: listed in the manifest but cannot be read: {e}") from e
+    if size != rec.nbytes:
+        raise CacheError(f"{path}: manifest expects {rec.nbytes} bytes, found {size}")
+    digest = _sha256_of_file(path, size)
+    if digest != rec.sha256:
+        raise CacheError(
+            f"{path}: SHA-256 mismatch (manifest {rec.sha256[:16]}..., file {digest[:16]}...); "
+            f"the entry is corrupt"
+        )
+
+
 def validate_files(entry: Path, manifest: EntryManifest) -> None:
-    """Check every shard's size and full-content SHA-256 against the manifest; raise naming the first bad file."""
-    for rec in manifest.files:
-        # rec.name matched the fixed shard pattern in parse_manifest, so this join stays inside entry.
-        path = entry / rec.name
-        try:
-            size = os.stat(path).st_size
-        except OSError as e:
-            raise CacheError(f"{path}: listed in the manifest but cannot be read: {e}") from e
-        if size != rec.nbytes:
-            raise CacheError(f"{path}: manifest expects {rec.nbytes} bytes, found {size}")
-        digest = _sha256_of_file(path, size)
-        if digest != rec.sha256:
-            raise CacheError(
-                f"{path}: SHA-256 mismatch (manifest {rec.sha256[:16]}..., file {digest[:16]}...); "
-                f"the entry is corrupt"
-            )
+    """Check every shard's size and full-content SHA-256 against the manifest; raise naming a bad file.
+
+    Shards are hashed on parallel threads (hashlib releases the GIL on large buffers): the hash pass is
+    the main cost of a cache hit, and each shard's digest is independent.
+    """
+    workers = max(1, min(len(manifest.files), os.cpu_count() or 1))
+    if workers == 1:
+        for rec in manifest.files:
+            _check_file(entry, rec)
+        return
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cache-sha256") as pool:
+        # list() re-raises the first failure in manifest order once all hashes have finished.
+        list(pool.map(lambda rec: _check_file(entry, rec), manifest.files))
 
 
 def map_entry(entry: Path, manifest: EntryManifest) -> dict[str, torch.Tensor]:
