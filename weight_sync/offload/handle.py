@@ -193,12 +193,22 @@ def _build_store(
     return store
 
 
-def _to_device(module: nn.Module, device: torch.device, skip: set[int]) -> None:
+def _to_device(module: nn.Module, device: torch.device, skip: set[int], *, copy: bool) -> None:
+    """Give every tensor of ``module`` not in ``skip`` device storage of its own.
+
+    ``copy`` forces a private copy even when the tensor already is on ``device`` (a CPU "device" over
+    an mmap'd checkpoint): resident weights must not depend on the mapping staying alive, and kernels
+    see the allocator's alignment rather than a file offset's.
+    """
+    done: set[int] = set()
     for mod in module.modules():
         for table in (mod._parameters, mod._buffers):
             for t in table.values():
-                if t is not None and id(t) not in skip and t.device != device:
-                    repoint(t, t.detach().to(device))
+                if t is None or id(t) in skip or id(t) in done:
+                    continue
+                done.add(id(t))
+                if t.device != device or copy:
+                    repoint(t, t.detach().to(device, copy=True))
 
 
 def enable_layerwise_offload(
@@ -275,7 +285,7 @@ def enable_layerwise_offload(
             )
     with torch.no_grad():
         for _, owner in owners:
-            _to_device(owner, shim.device, streamed_ids)
+            _to_device(owner, shim.device, streamed_ids, copy=host.mapped)
         for lay in layouts:
             for p, view in zip(lay.placements, streamer.views[lay.index][0] if streamer else ()):
                 # Point at a slot right away so the loader's private host copy is released now; the

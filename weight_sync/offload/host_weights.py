@@ -16,9 +16,9 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -55,6 +55,9 @@ class HostWeights:
     fallback_reasons: tuple[str, ...] = ()
     cache_status: str | None = None
     files: tuple[Path, ...] = ()
+    # The runtime cache's result holds the shared lease on the mapped entry: keeping it here keeps the
+    # entry safe from eviction for as long as the module streams from it.
+    cache_result: Any = field(default=None, repr=False, compare=False)
 
     @property
     def mapped(self) -> bool:
@@ -168,5 +171,7 @@ def _load_with_cache(
     if status == "fallback":
         reason = f"runtime cache fell back to the ordinary tensors: {getattr(res, 'reason', '')}"
         logger.warning(reason)
-        return HostWeights("ordinary", 1, (reason,), cache_status=status, files=tuple(files))
-    return HostWeights("runtime_cache", cache_status=status, files=tuple(files))
+        return HostWeights(
+            "ordinary", 1, (reason,), cache_status=status, files=tuple(files), cache_result=res
+        )
+    return HostWeights("runtime_cache", cache_status=status, files=tuple(files), cache_result=res)
