@@ -1,0 +1,56 @@
+"""Transports: move a trainer's weights into live engines, manifest first, bucket by bucket.
+
+``WeightSender`` (trainer, rank 0) and ``WeightReceiver`` (each engine worker, ranks 1..N) share one
+lifecycle: ``start_weight_update`` (the manifest, validated by every receiver before any write) ->
+``update_weights`` (one or more calls) -> ``finish_weight_update`` (an all-or-nothing commit). Backends,
+chosen by ``TransportConfig.backend``:
+
+- ``nccl``: broadcast over a dedicated NCCL group (rendezvous through the sender's TCPStore), packed
+  buckets of complete blocks in block order, two buffers and two streams allocated once, packing of bucket
+  k+1 overlapped with the broadcast of bucket k, receiving overlapped with loading.
+- ``gloo``: the same protocol and code path on CPU.
+- ``ipc``: colocated on one GPU; the sender's buffers are exported once per receiver with CUDA IPC.
+- ``shm``: colocated on one host; CPU shared-memory buffers, only names and sizes travel (JSON).
+- ``disk``: a safetensors directory per update, read back in block order through mmap.
+
+Every bucket carries an on-device checksum compared end to end; metadata is JSON, never pickle; every
+wait has a timeout; a failure on any rank is agreed through a status exchange and raised on every rank.
+
+Limitations: one sender (rank 0) per transport; every receiver gets the full model (no resharding
+transfer: each engine rank shards what it receives); tensors must be produced in the manifest's block
+order; after a communication failure (dead peer, timeout) the transport is broken and must be connected
+again; ``ipc`` needs the receivers on the sender's physical GPU.
+"""
+
+from weight_sync.transport.checksum import bucket_checksum, checksum_value, tensor_checksum_fast
+from weight_sync.transport.config import ALIGN_BYTES, BACKENDS, TransportConfig
+from weight_sync.transport.layout import (
+    Bucket,
+    BucketLayout,
+    Segment,
+    check_block_order,
+    plan_buckets,
+)
+from weight_sync.transport.receiver import WeightReceiver
+from weight_sync.transport.sender import TransferReport, WeightSender
+from weight_sync.transport.status import AgreedChecksumError, AgreedManifestError, AgreedSourceError
+
+__all__ = [
+    "ALIGN_BYTES",
+    "BACKENDS",
+    "AgreedChecksumError",
+    "AgreedManifestError",
+    "AgreedSourceError",
+    "Bucket",
+    "BucketLayout",
+    "Segment",
+    "TransferReport",
+    "TransportConfig",
+    "WeightReceiver",
+    "WeightSender",
+    "bucket_checksum",
+    "check_block_order",
+    "checksum_value",
+    "plan_buckets",
+    "tensor_checksum_fast",
+]

@@ -1,0 +1,86 @@
+"""TransportConfig: the sender's choice of backend and wire parameters, validated once.
+
+The sender decides every wire parameter (bucket size, buffer count, checksums, timeout) and ships them to
+the receivers at connect time, so the two ends can never disagree about how bytes are cut into buckets.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from weight_sync.errors import ConfigError
+
+__all__ = ["ALIGN_BYTES", "BACKENDS", "TransportConfig"]
+
+BACKENDS = ("disk", "gloo", "ipc", "nccl", "shm")
+# Every tensor starts on a 256-byte boundary inside a bucket: typed views of any dtype are aligned and
+# device copies use full-width loads.
+ALIGN_BYTES = 256
+_MIN_BUCKET_BYTES = 4 * ALIGN_BYTES
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TransportConfig:
+    """How a :class:`~weight_sync.transport.WeightSender` moves weights.
+
+    backend: 'nccl' (GPU broadcast), 'gloo' (CPU broadcast, same code path), 'ipc' (colocated, CUDA IPC
+    buffers on the sender's GPU), 'shm' (colocated, CPU shared memory) or 'disk' (a safetensors
+    directory). bucket_bytes: payload bytes per bucket; buckets hold complete blocks in block order and
+    a block larger than a bucket spans several. num_buffers: buffers per side, allocated once (2 lets
+    packing of bucket k+1 overlap the transfer of bucket k). timeout_s: bound on every blocking wait.
+    checksum: compare an on-device checksum of every bucket end to end. device: where the sender's
+    buffers live (default: the current CUDA device for nccl/ipc, the CPU otherwise). host/port: where the
+    rendezvous store listens (port 0: the OS picks one). directory: the disk backend's root.
+    shm_dir: where shm buffers are created (a tmpfs). keep_versions: updates the disk backend keeps.
+    """
+
+    backend: str = "gloo"
+    bucket_bytes: int = 64 << 20
+    num_buffers: int = 2
+    timeout_s: float = 120.0
+    checksum: bool = True
+    device: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 0
+    directory: str | None = None
+    shm_dir: str = "/dev/shm"
+    keep_versions: int = 2
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"backend must be one of {list(BACKENDS)}, got {self.backend!r}")
+        if not isinstance(self.bucket_bytes, int) or self.bucket_bytes < _MIN_BUCKET_BYTES:
+            raise ConfigError(f"bucket_bytes must be an int >= {_MIN_BUCKET_BYTES}, got {self.bucket_bytes!r}")
+        if self.bucket_bytes % ALIGN_BYTES:
+            raise ConfigError(
+                f"bucket_bytes must be a multiple of {ALIGN_BYTES}, got {self.bucket_bytes} "
+                f"(try {self.bucket_bytes - self.bucket_bytes % ALIGN_BYTES})"
+            )
+        if not isinstance(self.num_buffers, int) or not 2 <= self.num_buffers <= 8:
+            raise ConfigError(f"num_buffers must be an int in [2, 8], got {self.num_buffers!r}")
+        if not (isinstance(self.timeout_s, (int, float)) and math.isfinite(self.timeout_s) and self.timeout_s > 0):
+            raise ConfigError(f"timeout_s must be a positive finite number, got {self.timeout_s!r}")
+        if not isinstance(self.port, int) or not 0 <= self.port < 65536:
+            raise ConfigError(f"port must be in [0, 65536), got {self.port!r}")
+        if self.backend == "disk" and not self.directory:
+            raise ConfigError("backend 'disk' needs directory= (where updates are written)")
+        if not isinstance(self.keep_versions, int) or self.keep_versions < 1:
+            raise ConfigError(f"keep_versions must be an int >= 1, got {self.keep_versions!r}")
+        if self.device is not None:
+            kind = self.device.split(":")[0]
+            if self.backend in ("nccl", "ipc") and kind != "cuda":
+                raise ConfigError(f"backend {self.backend!r} needs a CUDA device, got device={self.device!r}")
+            if self.backend in ("gloo", "shm") and kind != "cpu":
+                raise ConfigError(f"backend {self.backend!r} keeps its buffers on the CPU, got device={self.device!r}")
+
+    @property
+    def uses_group(self) -> bool:
+        """Whether the backend forms a process group with the receivers (all but 'disk')."""
+        return self.backend != "disk"
+
+    def buffer_device(self) -> str:
+        """The device of the sender's buffers ('cuda:N' resolved lazily by the sender)."""
+        if self.device is not None:
+            return self.device
+        return "cuda" if self.backend in ("nccl", "ipc") else "cpu"

@@ -1,0 +1,220 @@
+"""Rendezvous and process groups of one transport: a TCPStore, a gloo control group, a data group.
+
+The sender hosts a TCPStore on a port the OS picks; receivers join it as clients. Groups are built
+directly on prefixed views of that store (``ProcessGroupGloo`` / ``ProcessGroupNCCL(store, rank, size)``),
+independent of either side's default process group. The control group (gloo, CPU tensors) carries JSON
+headers and status records; the data group (nccl or gloo) carries buckets.
+
+Every wait polls the operation against a deadline instead of blocking inside a collective, so a dead or
+stuck peer surfaces as :class:`TransportTimeout` naming the phase and peer. After any communication
+failure the channel is *broken*: a collective may be half-matched, so no further operation is attempted
+and the transport must be connected again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from weight_sync.errors import TransportError, TransportTimeout
+from weight_sync.transport.wire import STATUS_SLOT_BYTES, RankStatus
+
+__all__ = ["Channel", "Deadline", "host_store", "join_store", "make_group", "poll"]
+
+log = logging.getLogger(__name__)
+
+
+class Deadline:
+    """A point in time a wait must not pass; ``remaining()`` in seconds (never negative)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.at = time.monotonic() + timeout_s
+
+    def remaining(self) -> float:
+        return max(0.0, self.at - time.monotonic())
+
+    def expired(self) -> bool:
+        return time.monotonic() >= self.at
+
+
+def poll(done: Callable[[], bool], deadline: Deadline, on_timeout: Callable[[], BaseException]) -> None:
+    """Wait until ``done()`` is true, sleeping with a growing backoff; raise ``on_timeout()`` at the deadline.
+
+    The first polls only yield the CPU (a bucket usually completes within microseconds of the check),
+    later ones sleep up to 2 ms so an idle wait costs no CPU.
+    """
+    sleep = 0.0
+    while not done():
+        if deadline.expired():
+            raise on_timeout()
+        time.sleep(sleep)
+        sleep = min(0.002, sleep * 2 if sleep else 0.00002)
+
+
+def host_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    """Start the rendezvous store (port 0 lets the OS pick a free port)."""
+    try:
+        return dist.TCPStore(host, port, None, is_master=True, timeout=timedelta(seconds=timeout_s),
+                             wait_for_workers=False)
+    except Exception as e:
+        raise TransportError(f"cannot start the rendezvous store on {host}:{port}: {e}") from e
+
+
+def join_store(address: str, timeout_s: float) -> dist.TCPStore:
+    """Connect to the sender's rendezvous store at ``host:port``."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise TransportError(f"transport address must be 'host:port', got {address!r}")
+    try:
+        return dist.TCPStore(host, int(port), None, is_master=False, timeout=timedelta(seconds=timeout_s))
+    except Exception as e:
+        raise TransportError(f"cannot reach the sender's rendezvous store at {address}: {e}") from e
+
+
+def make_group(kind: str, store: dist.Store, prefix: str, rank: int, size: int, timeout_s: float) -> Any:
+    """A gloo or NCCL group of ``size`` ranks on ``store`` under ``prefix`` (no default group needed)."""
+    pstore = dist.PrefixStore(prefix, store)
+    if kind == "gloo":
+        return dist.ProcessGroupGloo(pstore, rank, size, timedelta(seconds=timeout_s))
+    if kind == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        # Our own polls time out first and abort the communicator; NCCL's watchdog is only a backstop
+        # (when it fires it may tear the process down, so it must never be the first to notice).
+        opts._timeout = timedelta(seconds=max(4 * timeout_s, 60.0))
+        return dist.ProcessGroupNCCL(pstore, rank, size, opts)
+    raise ValueError(f"group kind must be 'gloo' or 'nccl', got {kind!r}")
+
+
+def abort_group(group: Any) -> None:
+    """Abort a group after a failure so that stuck kernels and threads exit (best effort)."""
+    for name in ("abort", "_abort", "shutdown"):
+        fn = getattr(group, name, None)
+        if fn is not None:
+            try:
+                fn()
+            except Exception as e:
+                log.debug("abort of a broken group via %s failed: %s", name, e)
+            return
+
+
+class Channel:
+    """The control group of one transport plus the bookkeeping that makes failures agreed and loud.
+
+    ``peer_of(phase)`` names who a wait depends on (the sender for receivers, the receivers for the
+    sender); once broken, every call raises the original failure.
+    """
+
+    def __init__(self, group: Any, rank: int, size: int, timeout_s: float, peers: str) -> None:
+        self.group = group
+        self.rank = rank
+        self.size = size
+        self.timeout_s = timeout_s
+        self.peers = peers
+        self.broken: str | None = None
+        self._groups: list[Any] = [group]
+
+    def add_group(self, group: Any) -> None:
+        self._groups.append(group)
+
+    def check(self) -> None:
+        if self.broken is not None:
+            raise TransportError(
+                f"[rank {self.rank}] the transport is broken since an earlier failure ({self.broken}); "
+                "connect a new sender and receivers"
+            )
+
+    def fail(self, reason: str) -> None:
+        """Mark the channel broken and abort its groups (no further collective can be trusted)."""
+        if self.broken is None:
+            self.broken = reason
+            log.error("[rank %d] transport broken: %s", self.rank, reason)
+            for g in self._groups:
+                abort_group(g)
+
+    def wait(self, work: Any, phase: str, timeout_s: float | None = None) -> None:
+        """Wait for ``work`` with a deadline; a timeout or comm error breaks the channel and raises."""
+        deadline = Deadline(self.timeout_s if timeout_s is None else timeout_s)
+
+        def timed_out() -> BaseException:
+            msg = (f"[rank {self.rank}] {phase}: no progress from {self.peers} within "
+                   f"{deadline.timeout_s:.1f} s")
+            self.fail(msg)
+            return TransportTimeout(msg)
+
+        poll(work.is_completed, deadline, timed_out)
+        try:
+            work.wait()
+        except Exception as e:
+            msg = f"[rank {self.rank}] {phase}: communication with {self.peers} failed: {e}"
+            self.fail(msg)
+            raise TransportError(msg) from e
+
+    def guard(self, phase: str, fn: Callable[[], Any]) -> Any:
+        """Issue a collective; an immediate failure breaks the channel like a failed wait."""
+        self.check()
+        try:
+            return fn()
+        except Exception as e:
+            msg = f"[rank {self.rank}] {phase}: cannot issue a collective with {self.peers}: {e}"
+            self.fail(msg)
+            raise TransportError(msg) from e
+
+    # ------------------------------------------------------------------ control messages
+    def broadcast_bytes(self, payload: bytes | None, phase: str, timeout_s: float | None = None) -> bytes:
+        """Rank 0 sends ``payload``; every other rank returns it (length first, then the bytes)."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        head = torch.zeros(1, dtype=torch.int64)
+        if self.rank == 0:
+            assert payload is not None
+            head[0] = len(payload)
+        w = self.guard(phase, lambda: self.group.broadcast([head], opts))
+        self.wait(w, phase, timeout_s)
+        n = int(head[0])
+        body = torch.empty(n, dtype=torch.uint8)
+        if self.rank == 0 and n:
+            body.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))  # type: ignore[arg-type]
+        if n:
+            w = self.guard(phase, lambda: self.group.broadcast([body], opts))
+            self.wait(w, phase, timeout_s)
+        return payload if self.rank == 0 else bytes(body.numpy().tobytes())  # type: ignore[return-value]
+
+    def exchange_status(self, status: RankStatus) -> list[RankStatus]:
+        """All-gather every rank's status record; every rank returns the same list, ordered by rank."""
+        phase = f"status exchange after {status.phase}"
+        mine = torch.zeros(STATUS_SLOT_BYTES, dtype=torch.uint8)
+        raw = status.to_bytes()
+        mine[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        out = [torch.empty(STATUS_SLOT_BYTES, dtype=torch.uint8) for _ in range(self.size)]
+        w = self.guard(phase, lambda: self.group.allgather([out], [mine]))
+        self.wait(w, phase)
+        return [RankStatus.from_bytes(bytes(t.numpy().tobytes()), r) for r, t in enumerate(out)]
+
+    def allreduce_max(self, values: torch.Tensor, phase: str) -> Any:
+        """Start an all-reduce MAX of a small int64 CPU tensor; returns the work (wait with ``wait``)."""
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX
+        return self.guard(phase, lambda: self.group.allreduce([values], opts))
+
+    def ibroadcast(self, t: torch.Tensor, phase: str) -> Any:
+        """Start a broadcast of a small CPU tensor from rank 0; returns the work."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        return self.guard(phase, lambda: self.group.broadcast([t], opts))
+
+
+def agreed_failure(statuses: list[RankStatus]) -> list[RankStatus]:
+    """The failed records of a status exchange (empty when every rank succeeded)."""
+    return [s for s in statuses if not s.ok]
+
+
+def describe_failures(failed: list[RankStatus], phase: str, world_size: int) -> str:
+    parts = [f"rank {s.rank}{' (sender)' if s.rank == 0 else ''}: {s.error_type}: {s.message}" for s in failed]
+    return f"{phase} failed on {len(failed)} of {world_size} ranks; " + "; ".join(parts)

@@ -1,0 +1,145 @@
+"""Bucket layout: how a run of manifest tensors is cut into buckets, computed identically on both ends.
+
+A layout is a pure function of (tensor metas in order, bucket payload bytes, alignment), so the sender
+never ships offsets: each receiver computes the same layout and cross-checks the bucket count.
+
+Rules: tensors keep manifest order and start on aligned offsets; a block (``model.layers.N``) that fits
+in the space left in the current bucket goes there, otherwise it starts a new bucket, so buckets hold
+complete blocks; a block larger than one bucket fills consecutive buckets, and a tensor that does not fit
+in what is left is split at an aligned byte offset and continues in the next bucket (the receiver
+reassembles it in one block-sized staging tensor).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from weight_sync.errors import ManifestError
+from weight_sync.layers.blocks import group_by_block, order_by_block
+from weight_sync.manifest import Manifest, TensorMeta
+
+__all__ = [
+    "Bucket",
+    "BucketLayout",
+    "Segment",
+    "align_up",
+    "check_block_order",
+    "plan_buckets",
+]
+
+
+def align_up(n: int, align: int) -> int:
+    return (n + align - 1) // align * align
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """Bytes [tensor_offset, tensor_offset + nbytes) of tensor ``index`` at ``bucket_offset``."""
+
+    index: int
+    tensor_offset: int
+    nbytes: int
+    bucket_offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class Bucket:
+    """One bucket: its segments in order and the payload bytes on the wire (aligned)."""
+
+    index: int
+    segments: tuple[Segment, ...]
+    payload_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class BucketLayout:
+    """The buckets of one run of tensors, plus the largest split tensor (the reassembly size)."""
+
+    metas: tuple[TensorMeta, ...]
+    buckets: tuple[Bucket, ...]
+    bucket_bytes: int
+    align_bytes: int
+    max_split_bytes: int
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self.buckets)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(m.nbytes for m in self.metas)
+
+    def digest(self) -> str:
+        """A short hash of names, dtypes, shapes and cut points (both ends compare it in tests/logs)."""
+        h = hashlib.sha256()
+        for m in self.metas:
+            h.update(f"{m.name}|{m.dtype}|{m.shape};".encode())
+        for b in self.buckets:
+            h.update(repr([(s.index, s.tensor_offset, s.nbytes, s.bucket_offset) for s in b.segments]).encode())
+        return h.hexdigest()[:16]
+
+
+def check_block_order(names: Sequence[str]) -> None:
+    """Raise ManifestError unless every block's names are contiguous and blocks come in forward order."""
+    names = list(names)
+    ordered = order_by_block(names, reference_order=names)
+    if ordered != names:
+        first = next(i for i, (a, b) in enumerate(zip(names, ordered)) if a != b)
+        raise ManifestError(
+            f"manifest is not in block order: position {first} holds {names[first]!r}, block order "
+            f"expects {ordered[first]!r} there; order the manifest (and the tensors) with "
+            "weight_sync.layers.order_by_block"
+        )
+
+
+def block_ordered(manifest: Manifest) -> Manifest:
+    """The manifest with its entries stably reordered into block order (same version)."""
+    order = order_by_block(manifest.names, reference_order=list(manifest.names))
+    if list(order) == list(manifest.names):
+        return manifest
+    return Manifest(tuple(manifest[n] for n in order), version=manifest.version)
+
+
+def plan_buckets(metas: Sequence[TensorMeta], bucket_bytes: int, align_bytes: int) -> BucketLayout:
+    """Cut ``metas`` (already in block order) into buckets of at most ``bucket_bytes`` payload."""
+    if bucket_bytes % align_bytes or bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be a positive multiple of {align_bytes}, got {bucket_bytes}")
+    metas = tuple(metas)
+    names = [m.name for m in metas]
+    groups = group_by_block(names, reference_order=names)
+    index = {m.name: i for i, m in enumerate(metas)}
+    buckets: list[Bucket] = []
+    current: list[Segment] = []
+    used = 0
+    max_split = 0
+
+    def close() -> None:
+        nonlocal current, used
+        if current:
+            buckets.append(Bucket(len(buckets), tuple(current), used))
+        current, used = [], 0
+
+    for block_names in groups.values():
+        block_bytes = sum(align_up(metas[index[n]].nbytes, align_bytes) for n in block_names)
+        if used and used + block_bytes > bucket_bytes:
+            close()
+        for name in block_names:
+            i = index[name]
+            nbytes = metas[i].nbytes
+            if nbytes == 0:
+                current.append(Segment(i, 0, 0, used))
+                continue
+            offset = 0
+            while offset < nbytes:
+                if used >= bucket_bytes:
+                    close()
+                take = min(nbytes - offset, bucket_bytes - used)
+                current.append(Segment(i, offset, take, used))
+                if take < nbytes:
+                    max_split = max(max_split, nbytes)
+                used += align_up(take, align_bytes)
+                offset += take
+    close()
+    return BucketLayout(metas, tuple(buckets), bucket_bytes, align_bytes, max_split)

@@ -1,0 +1,488 @@
+"""WeightReceiver: the engine side of a transport, feeding an UpdateSession of the engine's model.
+
+``WeightReceiver(engine_or_model, address, rank)`` -> ``connect()`` (reads the sender's wire
+parameters, joins the groups, allocates or imports the buffers once) -> per update
+``start_weight_update()`` (receives and validates the manifest: a bad one is rejected before any write)
+-> ``update_weights()`` once per sender call -> ``finish_weight_update()`` (commits, returns the
+UpdateReport) -> ``close()``. ``receive_update()`` runs a whole update however many calls the sender
+makes.
+
+A receiver that fails mid-call (checksum, load error) stops loading but keeps receiving the call's
+buckets, so the sender and the other receivers are never left waiting; at the call's status exchange
+every rank raises the same error and the session is aborted (rolled back bitwise with ``rollback=True``,
+otherwise the model is marked torn and refuses to serve). A dead or silent peer raises within the
+timeout and breaks the transport.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from weight_sync.errors import ChecksumError, TransportError, TransportTimeout, UpdateStateError
+from weight_sync.layers.streams import device_shim
+from weight_sync.manifest import Manifest
+from weight_sync.transport.buffers import (
+    allocate_buffers,
+    device_uuid,
+    import_ipc_buffer,
+    open_shm_buffer,
+)
+from weight_sync.transport.checksum import bucket_checksum, checksum_value
+from weight_sync.transport.disk import DiskReader
+from weight_sync.transport.group import Channel, join_store, make_group
+from weight_sync.transport.layout import Bucket, BucketLayout, plan_buckets
+from weight_sync.transport.planes import BroadcastReceiverPlane, SharedReceiverPlane
+from weight_sync.transport.status import raise_agreed, status_of
+from weight_sync.transport.wire import (
+    MAGIC,
+    STATUS_ABORT,
+    TRAILER_BYTES,
+    ControlHeader,
+    Hello,
+    IpcBufferHandle,
+    ShmBufferHandle,
+    WireParams,
+)
+
+__all__ = ["WeightReceiver"]
+
+log = logging.getLogger(__name__)
+
+PREFIX = "weight_sync"
+
+
+def _target_model(target: Any) -> nn.Module:
+    model = getattr(target, "model", target)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"WeightReceiver needs an engine with .model or an nn.Module, got {type(target).__name__}")
+    return model
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.device.type != "meta":
+            return t.device
+    return torch.device("cpu")
+
+
+class WeightReceiver:
+    """Engine side of a transport; see the module docstring for the lifecycle.
+
+    target: an engine with ``begin_update(manifest, **options)`` (e.g. ReferenceEngine) or an nn.Module.
+    address: the sender's ``address`` ('host:port', or the directory for the disk backend).
+    rank: this receiver's rank in [1, num_receivers]. rollback / budget_bytes / fingerprint /
+    allow_partial: options of the update session (see :func:`weight_sync.begin_update`).
+    """
+
+    def __init__(
+        self,
+        target: Any,
+        address: str,
+        rank: int = 1,
+        *,
+        device: str | torch.device | None = None,
+        rollback: bool = False,
+        budget_bytes: int | None = None,
+        fingerprint: bool = True,
+        allow_partial: bool = False,
+        connect_timeout_s: float = 300.0,
+        backend: str | None = None,
+    ) -> None:
+        self.target = target
+        self.model = _target_model(target)
+        self.address = address
+        self.rank = rank
+        self.device = torch.device(device) if device is not None else _model_device(self.model)
+        self.session_options = dict(rollback=rollback, budget_bytes=budget_bytes, fingerprint=fingerprint,
+                                    allow_partial=allow_partial)
+        self.connect_timeout_s = connect_timeout_s
+        self.backend = backend
+        self.params: WireParams | None = None
+        self.weight_version: Any = None
+        self.last_report: Any = None
+        self._state = "new"
+        self._seq = 0
+        self._session: Any = None
+        self._manifest: Manifest | None = None
+        self._channel: Channel | None = None
+        self._plane: BroadcastReceiverPlane | SharedReceiverPlane | None = None
+        self._buffers: list[torch.Tensor] = []
+        self._staging: torch.Tensor | None = None
+        self._store: Any = None
+        self._disk: DiskReader | None = None
+
+    # ------------------------------------------------------------------ connection
+    def connect(self) -> WireParams | None:
+        """Join the sender's transport; returns the wire parameters the sender decided."""
+        if self._state != "new":
+            raise TransportError(f"[rank {self.rank}] connect() was already called (state {self._state})")
+        if self.backend == "disk" or (self.backend is None and os.path.isdir(self.address)):
+            self._disk = DiskReader(self.address)
+            self._state = "idle"
+            return None
+        store = join_store(self.address, self.connect_timeout_s)
+        self._store = store
+        try:
+            params = WireParams.from_json(store.get(f"{PREFIX}/wire"))
+        except TransportError:
+            raise
+        except Exception as e:
+            raise TransportError(f"[rank {self.rank}] connect: no wire parameters from {self.address}: {e}") from e
+        if not 1 <= self.rank < params.world_size:
+            raise TransportError(
+                f"[rank {self.rank}] connect: rank must be in [1, {params.world_size - 1}] for a sender "
+                f"expecting {params.world_size - 1} receivers, got {self.rank}"
+            )
+        self.params = params
+        device = self.device
+        if params.backend in ("nccl", "ipc"):
+            if device.type != "cuda":
+                raise TransportError(
+                    f"[rank {self.rank}] backend {params.backend!r} needs the engine on a CUDA device, got {device}"
+                )
+            if device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+            torch.cuda.set_device(device)
+        else:
+            device = torch.device("cpu")
+        self.buffer_device = device
+        self.shim = device_shim(device)
+        hello = Hello(rank=self.rank, host=socket.gethostname(), pid=os.getpid(), device=str(device),
+                      device_uuid=device_uuid(device) if device.type == "cuda" else None)
+        store.set(f"{PREFIX}/hello/{self.rank}", hello.to_json())
+        ctl = make_group("gloo", store, f"{PREFIX}/ctl", self.rank, params.world_size, params.timeout_s)
+        self._channel = Channel(ctl, self.rank, params.world_size, params.timeout_s, "the sender (rank 0)")
+        nbytes = params.bucket_bytes + TRAILER_BYTES
+        error: BaseException | None = None
+        if params.backend in ("nccl", "gloo"):
+            data = make_group(params.backend, store, f"{PREFIX}/data", self.rank, params.world_size, params.timeout_s)
+            self._channel.add_group(data)
+            self._buffers = allocate_buffers(params.num_buffers, nbytes, device)
+            self._plane = BroadcastReceiverPlane(self._channel, data, self._buffers, self.shim)
+            warm = torch.zeros(1, dtype=torch.int64, device=device)
+            opts = dist.BroadcastOptions()
+            opts.rootRank = 0
+            self._channel.wait(self._channel.guard("connect", lambda: data.broadcast([warm], opts)), "connect")
+        else:
+            try:
+                if params.backend == "shm":
+                    raw = json.loads(store.get(f"{PREFIX}/buffers"))
+                    self._buffers = [open_shm_buffer(ShmBufferHandle.from_dict(d)) for d in raw]
+                else:
+                    raw = json.loads(store.get(f"{PREFIX}/buffers/{self.rank}"))
+                    self._buffers = [import_ipc_buffer(IpcBufferHandle.from_dict(d)) for d in raw]
+                if len(self._buffers) != params.num_buffers or any(b.numel() != nbytes for b in self._buffers):
+                    raise TransportError(
+                        f"[rank {self.rank}] connect: expected {params.num_buffers} shared buffers of {nbytes} "
+                        f"bytes, got {[b.numel() for b in self._buffers]}"
+                    )
+            except Exception as e:
+                error = e
+            self._plane = SharedReceiverPlane(self._channel, self._buffers, self.shim)
+        statuses = self._channel.exchange_status(status_of(self.rank, "connect", error))
+        raise_agreed(statuses, "connect", params.world_size, local=error)
+        self._state = "idle"
+        log.info("[rank %d] connected to %s over %s", self.rank, self.address, params.backend)
+        return params
+
+    # ------------------------------------------------------------------ control messages
+    def _header(self, phase: str, timeout_s: float | None = None) -> ControlHeader:
+        assert self._channel is not None
+        raw = self._channel.broadcast_bytes(None, phase, timeout_s)
+        header = ControlHeader.from_json(raw)
+        if header.seq != self._seq + (1 if header.kind == "start" else 0):
+            msg = f"[rank {self.rank}] {phase}: the sender is at update {header.seq}, this receiver at {self._seq}"
+            self._channel.fail(msg)
+            raise TransportError(msg)
+        return header
+
+    def _handle(self, header: ControlHeader, wanted: str) -> Any:
+        """Run the protocol of ``header`` (as a failing rank if it is not what the caller asked for)."""
+        error: BaseException | None = None
+        if header.kind != wanted:
+            error = UpdateStateError(
+                f"[rank {self.rank}] {wanted} was called while the sender is in {header.kind}"
+            )
+        try:
+            if header.kind == "start":
+                return self._on_start(header, error)
+            if header.kind == "call":
+                return self._on_call(header, error)
+            if header.kind == "finish":
+                return self._on_finish(error)
+            raise TransportError(f"[rank {self.rank}] unexpected control header {header.kind!r}")
+        except BaseException as e:
+            self._abort_session(f"{type(e).__name__}: {e}")
+            raise
+
+    def _abort_session(self, reason: str) -> None:
+        if self._session is not None:
+            try:
+                self._session.abort(reason)
+            finally:
+                self._session = None
+                self._state = "idle"
+
+    def _require(self, *states: str) -> None:
+        if self._state not in states:
+            raise UpdateStateError(f"[rank {self.rank}] expected state {'/'.join(states)}, receiver is {self._state}")
+        if self._channel is not None:
+            self._channel.check()
+
+    # ------------------------------------------------------------------ lifecycle
+    def start_weight_update(self, timeout_s: float | None = None) -> Manifest:
+        """Wait (up to ``timeout_s``, default the wire timeout) for the sender's manifest and validate it.
+
+        A timeout here leaves the transport usable: waiting for the next update can simply be retried.
+        """
+        self._require("idle")
+        if self._disk is not None:
+            self._manifest, version = self._disk.start(timeout_s or 300.0)
+            self._session = self._begin(self._manifest, version)
+            self._state = "open"
+            return self._manifest
+        assert self.params is not None and self._store is not None
+        wait_s = self.params.timeout_s if timeout_s is None else timeout_s
+        key = f"{PREFIX}/start/{self._seq + 1}"
+        try:
+            self._store.wait([key], timedelta(seconds=wait_s))
+        except Exception as e:
+            if isinstance(e, TimeoutError) or "timeout" in str(e).lower() or "Timeout" in type(e).__name__:
+                raise TransportTimeout(
+                    f"[rank {self.rank}] start_weight_update: no update from the sender (rank 0) within {wait_s:.1f} s"
+                ) from e
+            msg = f"[rank {self.rank}] start_weight_update: the sender's store at {self.address} is gone: {e}"
+            assert self._channel is not None
+            self._channel.fail(msg)
+            raise TransportError(msg) from e
+        return self._handle(self._header("start_weight_update"), "start")
+
+    def _begin(self, manifest: Manifest, version: Any) -> Any:
+        opts = dict(self.session_options, version=version)
+        begin = getattr(self.target, "begin_update", None)
+        if begin is not None and callable(begin):
+            return begin(manifest, **opts)
+        from weight_sync.reload.api import begin_update
+
+        return begin_update(self.model, manifest, **opts)
+
+    def _on_start(self, header: ControlHeader, error: BaseException | None) -> Manifest:
+        assert self._channel is not None and header.manifest is not None
+        self._seq = header.seq
+        manifest = Manifest.from_json(header.manifest)
+        if self._session is not None:
+            self._abort_session("a new update started before the previous one finished")
+        if error is None:
+            try:
+                self._session = self._begin(manifest, header.version)
+            except Exception as e:
+                error = e
+        self._manifest = manifest
+        self._version = header.version
+        self._state = "open" if self._session is not None else "idle"
+        statuses = self._channel.exchange_status(status_of(self.rank, "start_weight_update", error))
+        raise_agreed(statuses, "start_weight_update", self._channel.size, local=error)
+        return manifest
+
+    def update_weights(self) -> int:
+        """Receive one sender ``update_weights`` call into the open update; returns the tensors loaded."""
+        self._require("open")
+        if self._disk is not None:
+            assert self._session is not None
+            try:
+                return self._disk.load_all(self._session)
+            except BaseException as e:
+                self._abort_session(f"{type(e).__name__}: {e}")
+                raise
+        return self._handle(self._header("update_weights"), "call")
+
+    def _on_call(self, header: ControlHeader, error: BaseException | None) -> int:
+        assert self._channel is not None and self._plane is not None and self.params is not None
+        if self._manifest is None or self._session is None:
+            error = error or UpdateStateError(f"[rank {self.rank}] update_weights arrived without an open update")
+        metas = self._manifest.tensors[header.first : header.first + header.count] if self._manifest else ()
+        layout = plan_buckets(metas, self.params.bucket_bytes, self.params.align_bytes)
+        if layout.num_buckets != header.num_buckets:
+            msg = (f"[rank {self.rank}] update_weights: the sender cut tensors {header.first}..."
+                   f"{header.first + header.count} into {header.num_buckets} buckets, this receiver into "
+                   f"{layout.num_buckets}; sender and receiver run different weight_sync versions")
+            self._channel.fail(msg)
+            raise TransportError(msg)
+        sizes = [b.payload_bytes + TRAILER_BYTES for b in layout.buckets]
+        self._plane.begin_call(sizes, header.seq, header.call)
+        nb = len(self._buffers)
+        aborted = False
+        loaded = 0
+        for k, bucket in enumerate(layout.buckets):
+            i = k % nb
+            plane_status = self._plane.wait(k, i)
+            if error is None and not aborted:
+                try:
+                    if plane_status == STATUS_ABORT or not self._verify(bucket, self._buffers[i], k, header):
+                        aborted = True  # the sender gave up; its status says why
+                    else:
+                        loaded += self._consume(bucket, self._buffers[i], layout)
+                except Exception as e:
+                    error = e
+                    log.error("[rank %d] update %r: bucket %d: %s", self.rank, self._version, k, e)
+            self._plane.release(k, i, failed=error is not None)
+        self._plane.end_call()
+        statuses = self._channel.exchange_status(status_of(self.rank, "update_weights", error))
+        raise_agreed(statuses, "update_weights", self._channel.size, local=error)
+        return loaded
+
+    def _verify(self, bucket: Bucket, buf: torch.Tensor, k: int, header: ControlHeader) -> bool:
+        """Check the trailer and (if enabled) the checksum before a byte of the bucket is loaded."""
+        assert self.params is not None
+        p = bucket.payload_bytes
+        trailer = buf[p : p + TRAILER_BYTES].view(torch.int64)
+        if self.params.checksum:
+            vals = torch.cat([trailer, bucket_checksum(buf[:p])]).tolist()
+        else:
+            vals = [*trailer.tolist(), 0, 0]
+        magic, seq, call, kk, status, pbytes, hi, lo, got_hi, got_lo = vals
+        if (magic, seq, call, kk) != (MAGIC, header.seq, header.call, k) or (status != STATUS_ABORT and pbytes != p):
+            raise TransportError(
+                f"[rank {self.rank}] update_weights: bucket {k} carries trailer (magic={magic:#x}, update "
+                f"{seq}, call {call}, bucket {kk}, {pbytes} bytes), expected (magic={MAGIC:#x}, update "
+                f"{header.seq}, call {header.call}, bucket {k}, {p} bytes)"
+            )
+        if status == STATUS_ABORT:
+            return False
+        if self.params.checksum and (hi, lo) != (got_hi, got_lo):
+            names = [self._manifest.tensors[header.first + s.index].name for s in bucket.segments]  # type: ignore[union-attr]
+            raise ChecksumError(
+                f"[rank {self.rank}] update {self._version!r}: bucket {k} ({p} bytes, {names[0]} .. "
+                f"{names[-1]}) failed its checksum: sender {checksum_value((hi, lo), p):#018x}, received "
+                f"{checksum_value((got_hi, got_lo), p):#018x}; nothing of it was loaded"
+            )
+        return True
+
+    def _consume(self, bucket: Bucket, buf: torch.Tensor, layout: BucketLayout) -> int:
+        """Hand the bucket's complete tensors to the session (which copies them out before returning)."""
+        batch: list[tuple[str, torch.Tensor]] = []
+        count = 0
+        for seg in bucket.segments:
+            meta = layout.metas[seg.index]
+            if seg.nbytes == meta.nbytes:
+                raw = buf[seg.bucket_offset : seg.bucket_offset + seg.nbytes]
+                batch.append((meta.name, raw.view(meta.dtype).view(meta.shape)))
+                continue
+            # A tensor split across buckets is reassembled in one staging tensor (allocated once at
+            # the largest split size, then reused).
+            if self._staging is None or self._staging.numel() < meta.nbytes:
+                self._staging = torch.empty(layout.max_split_bytes, dtype=torch.uint8, device=buf.device)
+            self._staging[seg.tensor_offset : seg.tensor_offset + seg.nbytes].copy_(
+                buf[seg.bucket_offset : seg.bucket_offset + seg.nbytes]
+            )
+            if seg.tensor_offset + seg.nbytes == meta.nbytes:
+                # Load now: a later segment of this bucket may start the next split tensor in staging.
+                batch.append((meta.name, self._staging[: meta.nbytes].view(meta.dtype).view(meta.shape)))
+                self._session.load(batch)
+                count += len(batch)
+                batch = []
+        if batch:
+            self._session.load(batch)
+        return count + len(batch)
+
+    def finish_weight_update(self) -> Any:
+        """Commit the update (after every rank agreed that it is complete); returns the UpdateReport."""
+        self._require("open")
+        if self._disk is not None:
+            session, self._session = self._session, None
+            self._state = "idle"
+            report = session.finish()
+            self._committed(report)
+            return report
+        return self._handle(self._header("finish_weight_update"), "finish")
+
+    def _on_finish(self, error: BaseException | None) -> Any:
+        assert self._channel is not None
+        size = self._channel.size
+        session = self._session
+        if error is None and session is None:
+            error = UpdateStateError(f"[rank {self.rank}] finish_weight_update without an open update")
+        if error is None and not self.session_options["allow_partial"]:
+            missing = session.missing()
+            if missing:
+                from weight_sync.errors import IncompleteUpdateError
+
+                error = IncompleteUpdateError(
+                    f"[rank {self.rank}] {len(missing)} announced tensor(s) never arrived: {missing[:5]}",
+                    tuple(missing),
+                )
+        statuses = self._channel.exchange_status(status_of(self.rank, "finish_weight_update: check", error))
+        raise_agreed(statuses, "finish_weight_update", size, local=error)
+        report = None
+        try:
+            self._session = None
+            self._state = "idle"
+            report = session.finish()
+        except Exception as e:
+            error = e
+        summary = {} if report is None else {
+            "rank": self.rank, "version": report.version, "fingerprint": report.fingerprint,
+            "num_tensors": report.num_tensors, "num_bytes": report.num_bytes,
+            "peak_buffered_bytes": report.peak_buffered_bytes, "seconds": report.seconds.get("total"),
+        }
+        statuses = self._channel.exchange_status(
+            status_of(self.rank, "finish_weight_update: commit", error, summary)
+        )
+        raise_agreed(statuses, "finish_weight_update", size, local=error)
+        self._committed(report)
+        return report
+
+    def _committed(self, report: Any) -> None:
+        self.weight_version = report.version
+        self.last_report = report
+        if hasattr(self.target, "last_report"):
+            self.target.last_report = report
+
+    def receive_update(self, timeout_s: float | None = None) -> Any:
+        """Run one whole update (start, every call, finish) as the sender drives it; returns the report."""
+        self.start_weight_update(timeout_s)
+        if self._disk is not None:
+            self.update_weights()
+            return self.finish_weight_update()
+        while True:
+            header = self._header("update_weights or finish_weight_update")
+            if header.kind == "finish":
+                return self._handle(header, "finish")
+            self._handle(header, "call")
+
+    def close(self) -> None:
+        """Release imported buffers and groups (local: the sender closes on its own)."""
+        if self._state == "closed":
+            return
+        self._abort_session("the receiver was closed mid-update")
+        if getattr(self, "shim", None) is not None and self.shim.is_cuda:
+            torch.cuda.synchronize(self.buffer_device)
+        self._plane = None
+        self._buffers = []  # drops the single import of each IPC buffer (its reference is released)
+        self._staging = None
+        if self._channel is not None and self.params is not None and self.params.backend == "nccl":
+            for g in self._channel._groups:
+                shutdown = getattr(g, "shutdown", None)
+                if shutdown is not None:
+                    try:
+                        shutdown()
+                    except Exception as e:
+                        log.debug("[rank %d] group shutdown failed: %s", self.rank, e)
+        self._channel = None
+        self._store = None
+        self._state = "closed"
+
+    def __enter__(self) -> WeightReceiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

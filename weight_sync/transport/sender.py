@@ -1,0 +1,505 @@
+"""WeightSender: the trainer side of a transport (rank 0 of its groups).
+
+Lifecycle: ``WeightSender(config, num_receivers=N)`` starts the rendezvous store (``address``) ->
+``connect()`` waits for the N receivers, builds the groups and allocates the buffers once ->
+per update ``start_weight_update(manifest, version)`` -> ``update_weights(tensors)`` (one or more calls,
+each a consecutive run of the manifest) -> ``finish_weight_update()`` -> ``close()``.
+
+Every phase ends with a status exchange, so a failure on any rank (a bad manifest, a tensor that
+disagrees with it, a checksum mismatch, a receiver whose load failed) makes every rank raise the same
+error; a sender whose source fails mid-call keeps the receivers' bucket sequence going with ABORT
+buckets (no packing) so nobody is left waiting. Communication failures (a dead peer, a timeout) break
+the transport: every rank raises at once and a new connection is needed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from weight_sync.errors import ManifestError, SourceError, TransportError, WeightSyncError
+from weight_sync.layers.streams import device_shim
+from weight_sync.manifest import Manifest, TensorMeta, dtype_to_str
+from weight_sync.transport.buffers import (
+    allocate_buffers,
+    create_shm_buffers,
+    export_ipc_buffer,
+    unlink_shm_buffers,
+)
+from weight_sync.transport.checksum import bucket_checksum
+from weight_sync.transport.config import ALIGN_BYTES, TransportConfig
+from weight_sync.transport.disk import DiskWriter
+from weight_sync.transport.group import Channel, host_store, make_group
+from weight_sync.transport.layout import Bucket, BucketLayout, check_block_order, plan_buckets
+from weight_sync.transport.planes import BroadcastSenderPlane, SharedSenderPlane
+from weight_sync.transport.status import raise_agreed, status_of
+from weight_sync.transport.wire import (
+    MAGIC,
+    STATUS_ABORT,
+    STATUS_OK,
+    TRAILER_BYTES,
+    ControlHeader,
+    Hello,
+    RankStatus,
+    WireParams,
+)
+
+__all__ = ["TransferReport", "WeightSender"]
+
+log = logging.getLogger(__name__)
+
+PREFIX = "weight_sync"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TransferReport:
+    """What one update moved: bytes, buckets, time, and every receiver's update report (by rank)."""
+
+    version: Any
+    backend: str
+    num_tensors: int
+    num_bytes: int
+    num_buckets: int
+    seconds: float
+    transfer_seconds: float
+    receivers: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def gbps(self) -> float:
+        """Payload GB/s over the update_weights calls (1 GB = 1e9 bytes)."""
+        return self.num_bytes / self.transfer_seconds / 1e9 if self.transfer_seconds > 0 else 0.0
+
+    @property
+    def fingerprints(self) -> list[str | None]:
+        return [r.get("fingerprint") for r in self.receivers]
+
+
+class WeightSender:
+    """Trainer side of a transport; see the module docstring for the lifecycle."""
+
+    def __init__(self, config: TransportConfig | None = None, *, num_receivers: int = 1, **overrides: Any) -> None:
+        config = replace(config, **overrides) if config is not None else TransportConfig(**overrides)
+        if not isinstance(num_receivers, int) or num_receivers < 1:
+            raise ValueError(f"num_receivers must be an int >= 1, got {num_receivers!r}")
+        self.config = config
+        self.num_receivers = num_receivers
+        self.world_size = num_receivers + 1
+        self.params = WireParams(
+            backend=config.backend, bucket_bytes=config.bucket_bytes, num_buffers=config.num_buffers,
+            checksum=config.checksum, timeout_s=float(config.timeout_s), align_bytes=ALIGN_BYTES,
+            world_size=self.world_size,
+        )
+        self.peers: list[Hello] = []
+        self._state = "new"
+        self._seq = 0
+        self._manifest: Manifest | None = None
+        self._version: Any = None
+        self._pos = 0
+        self._call = 0
+        self._t_start = 0.0
+        self._transfer_s = 0.0
+        self._num_buckets = 0
+        self._layouts: dict[tuple[int, int], BucketLayout] = {}
+        self._channel: Channel | None = None
+        self._plane: BroadcastSenderPlane | SharedSenderPlane | None = None
+        self._buffers: list[torch.Tensor] = []
+        self._shm_handles: list[Any] = []
+        self._disk: DiskWriter | None = None
+        self._store = None
+        self.device = torch.device("cpu")
+        self.shim = device_shim("cpu")
+        if config.backend == "disk":
+            self._disk = DiskWriter(config)
+        else:
+            self._store = host_store(config.host, config.port, config.timeout_s)
+            self._store.set(f"{PREFIX}/wire", self.params.to_json())
+
+    # ------------------------------------------------------------------ connection
+    @property
+    def address(self) -> str:
+        """What receivers connect to: 'host:port' of the rendezvous store, or the disk directory."""
+        if self._disk is not None:
+            return str(self._disk.root)
+        assert self._store is not None
+        return f"{self.config.host}:{self._store.port}"
+
+    def connect(self) -> list[Hello]:
+        """Wait for every receiver, build the groups, allocate and (ipc/shm) share the buffers once."""
+        if self._state != "new":
+            raise TransportError(f"connect() was already called (state {self._state})")
+        if self._disk is not None:
+            self._state = "idle"
+            return []
+        cfg, store = self.config, self._store
+        assert store is not None
+        keys = [f"{PREFIX}/hello/{r}" for r in range(1, self.world_size)]
+        try:
+            store.wait(keys, timedelta(seconds=cfg.timeout_s))
+        except Exception as e:
+            arrived = [r for r in range(1, self.world_size) if store.check([f"{PREFIX}/hello/{r}"])]
+            raise TransportError(
+                f"[rank 0] connect: expected {self.num_receivers} receivers at {self.address} within "
+                f"{cfg.timeout_s:.0f} s, got ranks {arrived}: {e}"
+            ) from e
+        self.peers = [Hello.from_json(store.get(k)) for k in keys]
+        device = torch.device(cfg.buffer_device())
+        if device.type == "cuda":
+            if device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+            torch.cuda.set_device(device)
+        self.device = device
+        self.shim = device_shim(device)
+        peers = "the receivers " + ", ".join(p.describe() for p in self.peers)
+        ctl = make_group("gloo", store, f"{PREFIX}/ctl", 0, self.world_size, cfg.timeout_s)
+        self._channel = Channel(ctl, 0, self.world_size, cfg.timeout_s, peers)
+        nbytes = cfg.bucket_bytes + TRAILER_BYTES
+        status = RankStatus(rank=0, ok=True, phase="connect")
+        if cfg.backend in ("nccl", "gloo"):
+            data = make_group(cfg.backend, store, f"{PREFIX}/data", 0, self.world_size, cfg.timeout_s)
+            self._channel.add_group(data)
+            self._buffers = allocate_buffers(cfg.num_buffers, nbytes, device)
+            self._plane = BroadcastSenderPlane(self._channel, data, self._buffers, self.shim)
+            # First collective creates the communicator (NCCL: seconds); do it now, not in update 1.
+            warm = torch.zeros(1, dtype=torch.int64, device=device)
+            opts = dist.BroadcastOptions()
+            opts.rootRank = 0
+            self._channel.wait(self._channel.guard("connect", lambda: data.broadcast([warm], opts)), "connect")
+        elif cfg.backend == "shm":
+            self._buffers, self._shm_handles = create_shm_buffers(cfg.shm_dir, cfg.num_buffers, nbytes)
+            store.set(f"{PREFIX}/buffers", _json_list([h.to_dict() for h in self._shm_handles]))
+            self._plane = SharedSenderPlane(self._channel, self._buffers, self.shim)
+        else:  # ipc: one export of each buffer per receiver, each imported exactly once
+            self._buffers = allocate_buffers(cfg.num_buffers, nbytes, device)
+            for r in range(1, self.world_size):
+                handles = [export_ipc_buffer(b).to_dict() for b in self._buffers]
+                store.set(f"{PREFIX}/buffers/{r}", _json_list(handles))
+            self._plane = SharedSenderPlane(self._channel, self._buffers, self.shim)
+        try:
+            statuses = self._channel.exchange_status(status)
+        finally:
+            # Every receiver has mapped the files (or failed): the names are no longer needed.
+            unlink_shm_buffers(self._shm_handles)
+        raise_agreed(statuses, "connect", self.world_size)
+        self._state = "idle"
+        log.info("[rank 0] connected %d receiver(s) over %s at %s", self.num_receivers, cfg.backend, self.address)
+        return self.peers
+
+    # ------------------------------------------------------------------ lifecycle
+    def _require(self, *states: str) -> None:
+        if self._state not in states:
+            raise TransportError(f"[rank 0] expected state {'/'.join(states)}, the sender is {self._state}")
+        if self._channel is not None:
+            self._channel.check()
+
+    def start_weight_update(self, manifest: Manifest | Iterable[TensorMeta], version: Any = None) -> Manifest:
+        """Announce an update: the manifest goes first and every receiver validates it against its model
+        before anything is written. The manifest must be in block order (see ``check_block_order``);
+        tensors must then be produced in its order. Returns the manifest as sent (checksums dropped)."""
+        self._require("idle")
+        if not isinstance(manifest, Manifest):
+            manifest = Manifest(tuple(manifest), version=version)
+        version = version if version is not None else (manifest.version if manifest.version is not None else self._seq + 1)
+        manifest = Manifest(tuple(TensorMeta(m.name, m.dtype, m.shape) for m in manifest), version=version)
+        check_block_order(manifest.names)
+        for m in manifest:
+            dtype_to_str(m.dtype)  # every dtype must have a wire name
+        self._seq += 1
+        self._manifest, self._version, self._pos, self._call = manifest, version, 0, 0
+        self._t_start = time.perf_counter()
+        self._transfer_s = 0.0
+        self._num_buckets = 0
+        if self._disk is not None:
+            self._disk.start(manifest, version, self._seq)
+            self._state = "open"
+            return manifest
+        assert self._channel is not None and self._store is not None
+        # A store key lets idle receivers wait for the next update without a pending collective.
+        self._store.set(f"{PREFIX}/start/{self._seq}", "1")
+        if self._seq > 1:
+            self._store.delete_key(f"{PREFIX}/start/{self._seq - 1}")
+        header = ControlHeader(kind="start", seq=self._seq, version=version, manifest=manifest.to_json())
+        self._channel.broadcast_bytes(header.to_json().encode(), "start_weight_update")
+        statuses = self._channel.exchange_status(RankStatus(rank=0, ok=True, phase="start_weight_update"))
+        self._state = "open"
+        try:
+            raise_agreed(statuses, "start_weight_update", self.world_size)
+        except BaseException:
+            self._state = "idle"
+            raise
+        return manifest
+
+    def _call_metas(self, names: Iterable[str] | None) -> tuple[int, int]:
+        assert self._manifest is not None
+        total = len(self._manifest)
+        if names is None:
+            return self._pos, total - self._pos
+        names = list(names)
+        expected = list(self._manifest.names[self._pos : self._pos + len(names)])
+        if names != expected:
+            first = next((i for i, (a, b) in enumerate(zip(names, expected)) if a != b), len(expected))
+            got = names[first] if first < len(names) else "<end>"
+            want = expected[first] if first < len(expected) else "<end of manifest>"
+            raise ManifestError(
+                f"update_weights(names=...) must continue the manifest in order at position "
+                f"{self._pos + first}: expected {want!r}, got {got!r}"
+            )
+        return self._pos, len(names)
+
+    def update_weights(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+        names: Iterable[str] | None = None,
+    ) -> int:
+        """Send the next run of the manifest: ``names`` (default: everything not yet sent), produced by
+        ``named_tensors`` in manifest order (a mapping is read in manifest order). Returns the count."""
+        self._require("open")
+        assert self._manifest is not None
+        local_error: BaseException | None = None
+        try:
+            first, count = self._call_metas(names)
+        except ManifestError as e:
+            first, count, local_error = self._pos, 0, e
+        metas = self._manifest.tensors[first : first + count]
+        if isinstance(named_tensors, Mapping):
+            mapping = named_tensors
+            named_tensors = ((m.name, mapping[m.name]) if m.name in mapping else (m.name, None) for m in metas)
+        t0 = time.perf_counter()
+        if self._disk is not None:
+            if local_error is not None:
+                raise local_error
+            sent = self._disk.write_call(metas, _checked(iter(named_tensors), metas, first))
+            self._pos += count
+            self._transfer_s += time.perf_counter() - t0
+            return sent
+        layout = self._layout(first, count)
+        self._call += 1
+        assert self._channel is not None and self._plane is not None
+        header = ControlHeader(kind="call", seq=self._seq, call=self._call, first=first, count=count,
+                               num_buckets=layout.num_buckets)
+        self._channel.broadcast_bytes(header.to_json().encode(), "update_weights")
+        if local_error is None:
+            local_error = self._send_buckets(layout, iter(named_tensors), first)
+        self._transfer_s += time.perf_counter() - t0
+        self._num_buckets += layout.num_buckets
+        self._pos += count
+        status = status_of(0, "update_weights", local_error)
+        statuses = self._channel.exchange_status(status)
+        try:
+            raise_agreed(statuses, "update_weights", self.world_size, local=local_error)
+        except BaseException:
+            self._state = "idle"  # every receiver aborted its update (rolled back or torn)
+            raise
+        return count
+
+    def _layout(self, first: int, count: int) -> BucketLayout:
+        assert self._manifest is not None
+        key = (first, count)
+        layout = self._layouts.get(key)
+        metas = self._manifest.tensors[first : first + count]
+        if layout is None or layout.metas != metas:
+            layout = plan_buckets(metas, self.config.bucket_bytes, ALIGN_BYTES)
+            self._layouts[key] = layout
+        return layout
+
+    def _send_buckets(self, layout: BucketLayout, it: Iterator[tuple[str, Any]], first: int) -> BaseException | None:
+        plane = self._plane
+        assert plane is not None
+        nb = len(self._buffers)
+        sizes = [b.payload_bytes + TRAILER_BYTES for b in layout.buckets]
+        plane.begin_call(sizes, self._seq, self._call)
+        source = _checked(it, layout.metas, first)
+        error: BaseException | None = None
+        peer_failed = False
+        current: dict[int, torch.Tensor] = {}
+        for k, bucket in enumerate(layout.buckets):
+            i = k % nb
+            peer_failed |= plane.acquire(k, i)
+            status = STATUS_OK
+            if error is None and not peer_failed:
+                try:
+                    self._pack(bucket, self._buffers[i], source, current)
+                except (Exception, KeyboardInterrupt) as e:
+                    error = e
+                    log.error("[rank 0] update %r: bucket %d could not be packed: %s", self._version, k, e)
+            if error is not None or peer_failed:
+                status = STATUS_ABORT
+                current.clear()
+            self._write_trailer(bucket, self._buffers[i], k, status)
+            plane.submit(k, i, sizes[k], status)
+        peer_failed |= bool(plane.end_call())
+        if error is None and not peer_failed:
+            try:
+                extra = next(source.raw, None)
+            except Exception as e:
+                return SourceError(f"the weights source failed after the last announced tensor: {e}")
+            if extra is not None:
+                error = ManifestError(
+                    f"update_weights: the source yielded {extra[0]!r} after the {len(layout.metas)} tensors "
+                    "this call announced"
+                )
+        return error
+
+    def _pack(self, bucket: Bucket, buf: torch.Tensor, source: _Checked, current: dict[int, torch.Tensor]) -> None:
+        """Copy the bucket's segments into ``buf`` on the pack stream and write its checksum."""
+        stream = self._plane.pack_stream
+        cuda = self.shim.is_cuda
+        for seg in bucket.segments:
+            flat = current.get(seg.index)
+            if flat is None:
+                flat = source.next_flat(seg.index)
+                if cuda and flat.is_cuda:
+                    # The tensor was produced on the caller's stream; the pack stream must see it, and the
+                    # allocator must not hand its memory out before the pack stream has read it.
+                    stream.wait_stream(self.shim.current_stream())
+                    flat.record_stream(stream.raw)
+                current[seg.index] = flat
+            if seg.nbytes:
+                with stream.use():
+                    buf[seg.bucket_offset : seg.bucket_offset + seg.nbytes].copy_(
+                        flat[seg.tensor_offset : seg.tensor_offset + seg.nbytes], non_blocking=True
+                    )
+            if seg.tensor_offset + seg.nbytes == flat.numel():
+                del current[seg.index]
+
+    def _write_trailer(self, bucket: Bucket, buf: torch.Tensor, k: int, status: int) -> None:
+        stream = self._plane.pack_stream
+        p = bucket.payload_bytes
+        trailer = buf[p : p + TRAILER_BYTES].view(torch.int64)
+        head = torch.tensor([MAGIC, self._seq, self._call, k, status, p], dtype=torch.int64)
+        with stream.use():
+            trailer[:6].copy_(head)
+            if self.config.checksum and status == STATUS_OK:
+                trailer[6:8].copy_(bucket_checksum(buf[:p]))
+            else:
+                trailer[6:8].zero_()
+
+    def finish_weight_update(self) -> TransferReport:
+        """Commit on every receiver (all or none report success) and return the transfer report."""
+        self._require("open")
+        assert self._manifest is not None
+        if self._disk is not None:
+            local: BaseException | None = None
+            if self._pos != len(self._manifest):
+                local = ManifestError(
+                    f"finish_weight_update: {len(self._manifest) - self._pos} announced tensors were never sent"
+                )
+                self._disk.abort()
+                self._state = "idle"
+                raise local
+            self._disk.finish()
+            self._state = "idle"
+            return self._report([])
+        assert self._channel is not None
+        header = ControlHeader(kind="finish", seq=self._seq)
+        self._channel.broadcast_bytes(header.to_json().encode(), "finish_weight_update")
+        self._state = "idle"
+        statuses = self._channel.exchange_status(RankStatus(rank=0, ok=True, phase="finish_weight_update: check"))
+        raise_agreed(statuses, "finish_weight_update", self.world_size)
+        statuses = self._channel.exchange_status(RankStatus(rank=0, ok=True, phase="finish_weight_update: commit"))
+        raise_agreed(statuses, "finish_weight_update", self.world_size)
+        if self.config.backend == "ipc":
+            torch.cuda.ipc_collect()  # free exports whose importers are gone; our buffers stay referenced
+        return self._report([s.report for s in statuses[1:]])
+
+    def _report(self, receivers: list[dict[str, Any]]) -> TransferReport:
+        assert self._manifest is not None
+        return TransferReport(
+            version=self._version, backend=self.config.backend, num_tensors=len(self._manifest),
+            num_bytes=self._manifest.nbytes, num_buckets=self._num_buckets,
+            seconds=time.perf_counter() - self._t_start, transfer_seconds=self._transfer_s,
+            receivers=receivers,
+        )
+
+    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+             manifest: Manifest | Iterable[TensorMeta], version: Any = None) -> TransferReport:
+        """``start_weight_update`` + one ``update_weights`` + ``finish_weight_update``."""
+        self.start_weight_update(manifest, version)
+        self.update_weights(named_tensors)
+        return self.finish_weight_update()
+
+    def close(self) -> None:
+        """Release buffers and groups (local; receivers close on their own)."""
+        if self._state == "closed":
+            return
+        unlink_shm_buffers(self._shm_handles)
+        if self.shim.is_cuda:
+            torch.cuda.synchronize(self.device)
+        self._plane = None
+        self._buffers = []
+        if self._channel is not None:
+            for g in self._channel._groups:
+                shutdown = getattr(g, "shutdown", None)
+                if shutdown is not None and self.config.backend == "nccl":
+                    try:
+                        shutdown()
+                    except Exception as e:
+                        log.debug("[rank 0] group shutdown failed: %s", e)
+            self._channel = None
+        if self.config.backend == "ipc" and torch.cuda.is_available():
+            torch.cuda.ipc_collect()
+        self._store = None
+        self._state = "closed"
+
+    def __enter__(self) -> WeightSender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _json_list(items: list[dict[str, Any]]) -> str:
+    return json.dumps(items)
+
+
+class _Checked:
+    """The caller's (name, tensor) stream, checked against the manifest before anything is packed."""
+
+    def __init__(self, it: Iterator[tuple[str, Any]], metas: tuple[TensorMeta, ...], first: int) -> None:
+        self.raw = it
+        self.metas = metas
+        self.first = first
+        self.pos = 0
+
+    def next_flat(self, index: int) -> torch.Tensor:
+        assert index == self.pos, f"tensor {index} requested while the source is at {self.pos}"
+        meta = self.metas[index]
+        try:
+            item = next(self.raw)
+        except StopIteration:
+            raise ManifestError(
+                f"update_weights: the source ended after {index} tensors; the manifest announced "
+                f"{meta.name!r} next (position {self.first + index})"
+            ) from None
+        except WeightSyncError:
+            raise
+        except Exception as e:
+            raise SourceError(
+                f"the weights source failed before {meta.name!r} (position {self.first + index}): "
+                f"{type(e).__name__}: {e}"
+            ) from e
+        name, t = item
+        if t is None:
+            raise ManifestError(f"update_weights: the mapping has no tensor {meta.name!r} announced in the manifest")
+        if name != meta.name or t.dtype != meta.dtype or tuple(t.shape) != meta.shape:
+            raise ManifestError(
+                f"update_weights: position {self.first + index} was announced as {meta.name!r} "
+                f"{meta.shape} {dtype_to_str(meta.dtype)}, the source produced {name!r} {tuple(t.shape)} "
+                f"{str(t.dtype).removeprefix('torch.')}"
+            )
+        self.pos += 1
+        t = t.detach()
+        if not t.is_contiguous():
+            t = t.contiguous()
+        return t.reshape(-1).view(torch.uint8)
+
+
+def _checked(it: Iterator[tuple[str, Any]], metas: tuple[TensorMeta, ...], first: int) -> _Checked:
+    return _Checked(it, metas, first)

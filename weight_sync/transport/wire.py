@@ -1,0 +1,242 @@
+"""Every record that crosses the wire, in one place: JSON for metadata, fixed int64 words for trailers.
+
+Nothing here is ever pickled. Records are frozen dataclasses with ``to_json`` / ``from_json``; decoding
+checks the protocol version and required fields and raises :class:`TransportError` naming the record.
+
+Wire layout of a bucket (the same for broadcast and shared-buffer backends)::
+
+    [ payload: tensors at 256-byte aligned offsets | trailer: 8 little-endian int64 words ]
+
+The trailer words are ``TRAILER_FIELDS`` in order; the checksum halves are the two 32-bit sums of
+:func:`weight_sync.transport.checksum.bucket_checksum`.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from weight_sync.errors import TransportError
+
+__all__ = [
+    "MAGIC",
+    "PROTOCOL_VERSION",
+    "STATUS_ABORT",
+    "STATUS_OK",
+    "STATUS_SLOT_BYTES",
+    "TRAILER_BYTES",
+    "TRAILER_FIELDS",
+    "ControlHeader",
+    "Hello",
+    "IpcBufferHandle",
+    "RankStatus",
+    "ShmBufferHandle",
+    "WireParams",
+    "b64decode",
+    "b64encode",
+    "decode_json",
+]
+
+PROTOCOL_VERSION = 1
+MAGIC = 0x5753_5943  # "WSYC": a trailer without it was never written by a sender
+TRAILER_FIELDS = ("magic", "seq", "call", "bucket", "status", "payload_bytes", "checksum_hi", "checksum_lo")
+TRAILER_BYTES = 8 * len(TRAILER_FIELDS)
+STATUS_OK = 0
+STATUS_ABORT = 1  # the sender could not produce this bucket; receivers must stop loading
+STATUS_SLOT_BYTES = 8192  # one rank's status JSON in the all-gather (longer messages are truncated)
+
+
+def decode_json(raw: str | bytes, what: str) -> dict[str, Any]:
+    """Parse a JSON object sent by a peer; ``what`` names the record in the error."""
+    try:
+        d = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise TransportError(f"{what}: not valid JSON from the peer: {e}") from e
+    if not isinstance(d, dict):
+        raise TransportError(f"{what}: expected a JSON object from the peer, got {type(d).__name__}")
+    proto = d.get("protocol", PROTOCOL_VERSION)
+    if proto != PROTOCOL_VERSION:
+        raise TransportError(
+            f"{what}: peer speaks weight_sync wire protocol {proto}, this side speaks {PROTOCOL_VERSION}"
+        )
+    return d
+
+
+def _require(d: dict[str, Any], what: str, *keys: str) -> None:
+    missing = [k for k in keys if k not in d]
+    if missing:
+        raise TransportError(f"{what}: record lacks field(s) {missing}: {sorted(d)}")
+
+
+def b64encode(raw: bytes | None) -> str | None:
+    return None if raw is None else base64.b64encode(raw).decode("ascii")
+
+
+def b64decode(text: str | None) -> bytes | None:
+    return None if text is None else base64.b64decode(text.encode("ascii"), validate=True)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WireParams:
+    """What the sender decided and every receiver must use (shipped at connect)."""
+
+    backend: str
+    bucket_bytes: int
+    num_buffers: int
+    checksum: bool
+    timeout_s: float
+    align_bytes: int
+    world_size: int
+    protocol: int = PROTOCOL_VERSION
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> WireParams:
+        d = decode_json(raw, "wire parameters")
+        _require(d, "wire parameters", "backend", "bucket_bytes", "num_buffers", "checksum",
+                 "timeout_s", "align_bytes", "world_size")
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Hello:
+    """A receiver announcing itself at connect: who it is, where, on which device."""
+
+    rank: int
+    host: str
+    pid: int
+    device: str
+    device_uuid: str | None = None
+    protocol: int = PROTOCOL_VERSION
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> Hello:
+        d = decode_json(raw, "receiver hello")
+        _require(d, "receiver hello", "rank", "host", "pid", "device")
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+    def describe(self) -> str:
+        return f"rank {self.rank} (pid {self.pid} on {self.host}, {self.device})"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ControlHeader:
+    """A phase announcement from the sender: 'start' (with the manifest), 'call', 'finish' or 'close'.
+
+    start: ``version`` and ``manifest`` (Manifest JSON). call: ``first`` and ``count`` select a run of
+    the manifest, ``num_buckets`` lets receivers cross-check their own layout of it.
+    """
+
+    kind: str
+    seq: int
+    call: int = 0
+    version: Any = None
+    manifest: str | None = None
+    first: int = 0
+    count: int = 0
+    num_buckets: int = 0
+    protocol: int = PROTOCOL_VERSION
+
+    KINDS = ("start", "call", "finish", "close")
+
+    def __post_init__(self) -> None:
+        if self.kind not in self.KINDS:
+            raise TransportError(f"control header: kind must be one of {self.KINDS}, got {self.kind!r}")
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        return json.dumps(d)
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> ControlHeader:
+        d = decode_json(raw, "control header")
+        _require(d, "control header", "kind", "seq")
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RankStatus:
+    """One rank's outcome of a phase, all-gathered so that every rank sees every rank's result."""
+
+    rank: int
+    ok: bool
+    phase: str
+    error_type: str | None = None
+    message: str | None = None
+    report: dict[str, Any] = field(default_factory=dict)
+    protocol: int = PROTOCOL_VERSION
+
+    def to_bytes(self) -> bytes:
+        raw = json.dumps(asdict(self), default=str).encode()
+        if len(raw) <= STATUS_SLOT_BYTES:
+            return raw
+        # Keep the record valid JSON: shorten the message (then drop the report) until it fits.
+        msg = self.message or ""
+        short = RankStatus(rank=self.rank, ok=self.ok, phase=self.phase, error_type=self.error_type,
+                           message=msg[: STATUS_SLOT_BYTES // 2] + " ...(truncated)", report={})
+        return json.dumps(asdict(short), default=str).encode()[:STATUS_SLOT_BYTES]
+
+    @classmethod
+    def from_bytes(cls, raw: bytes, rank_hint: int) -> RankStatus:
+        raw = raw.rstrip(b"\x00")
+        if not raw:
+            return cls(rank=rank_hint, ok=False, phase="?", error_type="TransportError",
+                       message=f"rank {rank_hint} sent an empty status record")
+        d = decode_json(raw, f"status of rank {rank_hint}")
+        _require(d, f"status of rank {rank_hint}", "rank", "ok", "phase")
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ShmBufferHandle:
+    """A CPU shared-memory buffer: a file name inside the sender's shm directory and its size."""
+
+    name: str
+    directory: str
+    nbytes: int
+    protocol: int = PROTOCOL_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ShmBufferHandle:
+        _require(d, "shm buffer handle", "name", "directory", "nbytes")
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class IpcBufferHandle:
+    """A CUDA IPC export of one sender buffer for one receiver (torch's ``_share_cuda_`` fields).
+
+    Byte fields are base64. ``device_uuid`` identifies the physical GPU, because device indices differ
+    between processes with different CUDA_VISIBLE_DEVICES.
+    """
+
+    device_uuid: str
+    handle: str
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: str
+    ref_counter_offset: int
+    event_handle: str | None
+    event_sync_required: bool
+    nbytes: int
+    protocol: int = PROTOCOL_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> IpcBufferHandle:
+        _require(d, "CUDA IPC buffer handle", "device_uuid", "handle", "storage_size_bytes",
+                 "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle",
+                 "event_sync_required", "nbytes")
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
