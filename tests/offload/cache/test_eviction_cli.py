@@ -18,8 +18,10 @@ from weight_sync.offload.cache import (
     list_entries,
     load_with_runtime_cache,
 )
+from weight_sync.offload.cache import entry as entry_mod
 from weight_sync.offload.cache.cli import parse_bytes, parse_duration
-from weight_sync.offload.cache.locking import acquire_exclusive, release
+from weight_sync.offload.cache.entry import open_lease
+from weight_sync.offload.cache.locking import acquire_exclusive, release, try_lock
 
 
 def _publish(ckpt: Path, cache: Path, *, tp_rank: int = 0) -> RuntimeCacheResult:
@@ -165,3 +167,21 @@ def test_sizes_parse_with_decimal_and_binary_units(text: str, value: int) -> Non
 @pytest.mark.parametrize(("text", "value"), [("90", 90), ("30m", 1800), ("12h", 43200), ("7d", 604800)])
 def test_durations_parse_with_units(text: str, value: float) -> None:
     assert parse_duration(text) == value
+
+
+def test_a_reader_racing_an_eviction_treats_the_entry_as_absent(
+    ckpt: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    published = _publish(ckpt, cache)
+    published.close()
+    assert published.entry_dir is not None and published.key is not None
+    monkeypatch.setattr(entry_mod, "_LEASE_WAIT_S", 0.01)
+    evictor = os.open(published.entry_dir / "manifest.json", os.O_RDONLY)
+    try:
+        assert try_lock(evictor, shared=False)  # an eviction holds the entry exclusively
+        assert open_lease(CacheRoot.at(cache), published.key) is None
+    finally:
+        os.close(evictor)
+    lease = open_lease(CacheRoot.at(cache), published.key)
+    assert lease is not None, "once the evictor lets go (and the entry is still there) readers lease it"
+    lease.close()

@@ -101,8 +101,8 @@ def _evict(args: argparse.Namespace) -> int:
         report = evict_entries(
             root, max_bytes=args.max_bytes, older_than_s=args.older_than, dry_run=args.dry_run
         )
-    except (ConfigError, CacheError) as e:
-        raise SystemExit(f"weight-sync cache evict: {e}") from e
+    except (ConfigError, CacheError) as err:
+        raise SystemExit(f"weight-sync cache evict: {err}") from err
     verb = "would remove" if args.dry_run else "removed"
     for e in report.removed:
         print(f"{verb} {e.key[:16]}  {_human(e.nbytes)}  {e.description}")

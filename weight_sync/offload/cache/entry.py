@@ -13,6 +13,7 @@ import hashlib
 import logging
 import mmap
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +46,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _HASH_CHUNK_BYTES = 16 << 20
+# How long a reader waits for an exclusive holder of an entry's manifest lock before treating the entry
+# as absent (an eviction that wins renames it away; the reader's inode re-check then sees that).
+_LEASE_WAIT_S = 1.0
 
 # Leases hold raw descriptors that nothing closes implicitly: dropping the result object must not drop
 # the lock while tensors still map the files. They end with close() or with the process.
@@ -76,6 +80,20 @@ class CacheLease:
         os.close(fd)
 
 
+def _wait_shared(fd: int) -> bool:
+    """Take a shared lock, waiting briefly: an exclusive holder is an eviction (or an `ls` probe) that
+    finishes in milliseconds, and giving up at once would turn a hit into a needless miss."""
+    deadline = time.monotonic() + _LEASE_WAIT_S
+    delay = 0.001
+    while not try_lock(fd, shared=True):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        time.sleep(min(delay, remaining))
+        delay = min(delay * 2, 0.05)
+    return True
+
+
 def open_lease(root: CacheRoot, key: str) -> CacheLease | None:
     """Take a shared lease on entry ``key``; None if it does not exist or is being evicted right now."""
     entry = root.entry_dir(key)
@@ -86,7 +104,7 @@ def open_lease(root: CacheRoot, key: str) -> CacheLease | None:
         return None
     keep = False
     try:
-        if not try_lock(fd, shared=True):
+        if not _wait_shared(fd):
             return None
         # Eviction renames the entry out of entries/ while holding the exclusive lock; if that happened
         # between our open() and flock(), the locked inode is no longer the published entry.
@@ -208,7 +226,7 @@ def tensor_sha256(t: torch.Tensor) -> str:
     """SHA-256 of a contiguous CPU tensor's bytes (the digest recorded per tensor in a manifest)."""
     data = t.detach().reshape(-1).view(torch.uint8).numpy()
     h = hashlib.sha256()
-    view = memoryview(data)
+    view = memoryview(data)  # type: ignore[arg-type]
     for start in range(0, len(view), _HASH_CHUNK_BYTES):
         h.update(view[start : start + _HASH_CHUNK_BYTES])
     return h.hexdigest()

@@ -153,7 +153,9 @@ def parse_manifest(raw: bytes, *, expect_key: str, source: str) -> EntryManifest
             f"{source}: manifest key {key!r} does not match its directory {expect_key!r}"
         )
     material = _field(doc, "key_material", dict, source)
+    assert isinstance(material, dict)
     created = _field(doc, "created_unix_s", (int, float), source)
+    assert isinstance(created, (int, float))
 
     raw_files = _field(doc, "files", list, source)
     assert isinstance(raw_files, list)

@@ -128,7 +128,7 @@ def write_shard(
         file_hash.update(prefix)
         for name, t in ordered:
             data = t.detach().reshape(-1).view(torch.uint8).numpy()
-            view = memoryview(data)
+            view = memoryview(data)  # type: ignore[arg-type]
             tensor_hash = hashlib.sha256()
             for start in range(0, len(view), _CHUNK_BYTES):
                 chunk = view[start : start + _CHUNK_BYTES]
