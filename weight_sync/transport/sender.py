@@ -273,9 +273,16 @@ class WeightSender:
             named_tensors = ((m.name, mapping[m.name]) if m.name in mapping else (m.name, None) for m in metas)
         t0 = time.perf_counter()
         if self._disk is not None:
-            if local_error is not None:
-                raise local_error
-            sent = self._disk.write_call(metas, _checked(iter(named_tensors), metas, first))
+            it = iter(named_tensors)
+            try:
+                if local_error is not None:
+                    raise local_error
+                sent = self._disk.write_call(metas, _checked(it, metas, first))
+            except BaseException:
+                _close_source(it, named_tensors)
+                self._disk.abort()
+                self._state = "idle"
+                raise
             self._pos += count
             self._transfer_s += time.perf_counter() - t0
             return sent
@@ -286,7 +293,12 @@ class WeightSender:
                                num_buckets=layout.num_buckets)
         self._channel.broadcast_bytes(header.to_json().encode(), "update_weights")
         if local_error is None:
-            local_error = self._send_buckets(layout, iter(named_tensors), first)
+            it = iter(named_tensors)
+            local_error = self._send_buckets(layout, it, first)
+            if local_error is not None:
+                _close_source(it, named_tensors)
+        else:
+            _close_source(None, named_tensors)
         self._transfer_s += time.perf_counter() - t0
         self._num_buckets += layout.num_buckets
         self._pos += count
@@ -453,6 +465,17 @@ class WeightSender:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _close_source(it: Any, source: Any) -> None:
+    """After a failed call: close the source's iterator (a generator runs its cleanup, e.g. FSDPSource's
+    abort agreement) and let a source that was never iterated release its peers (``abort()``)."""
+    close = getattr(it, "close", None)
+    if callable(close):
+        close()
+    abort = getattr(source, "abort", None)
+    if callable(abort):
+        abort()
 
 
 def _json_list(items: list[dict[str, Any]]) -> str:

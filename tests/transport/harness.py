@@ -1,0 +1,252 @@
+"""Multi-process scenarios for transport tests: rank 0 is the trainer, ranks 1..N engine workers.
+
+Functions here run in spawned processes (``run_distributed`` needs module-level functions). The default
+gloo group of ``run_distributed`` is only test plumbing: it passes the sender's address and hosts the
+engine's TP subgroup; the transport forms its own groups through the sender's store.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from weight_sync.engine import ReferenceEngine
+from weight_sync.reload import torn_reason
+from weight_sync.transport import TransportConfig, WeightReceiver, WeightSender
+from trainers import CheckpointSource
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def _share_address(rank: int, address: str | None) -> str:
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 0:
+        store.set("test/address", address or "")
+    return store.get("test/address").decode()
+
+
+def _engine_group(world: int, tp: bool) -> Any:
+    # Every rank of the default group must take part in creating a subgroup, the trainer included.
+    return dist.new_group(list(range(1, world))) if tp and world > 2 else None
+
+
+def connect_pair(rank: int, world: int, backend: str, ckpt: str, *, tp: bool = True, bucket_bytes: int = 64 << 10,
+                 timeout_s: float = 30.0, rollback: bool = False, quantization: Any = None,
+                 config: dict | None = None):
+    """(sender, None, None) on rank 0; (receiver, engine, tp_group) on engine ranks, all connected.
+
+    tp: engine ranks form one tensor-parallel engine; otherwise each is an independent engine.
+    """
+    group = _engine_group(world, tp)
+    if rank == 0:
+        sender = WeightSender(TransportConfig(backend=backend, bucket_bytes=bucket_bytes, timeout_s=timeout_s,
+                                              **(config or {})), num_receivers=world - 1)
+        _share_address(0, sender.address)
+        sender.connect()
+        return sender, None, None
+    address = _share_address(rank, None)
+    engine = ReferenceEngine.from_checkpoint(ckpt, tp_group=group, quantization=quantization)
+    receiver = WeightReceiver(engine, address, rank, rollback=rollback)
+    receiver.connect()
+    return receiver, engine, group
+
+
+def sync_end_to_end(rank: int, world: int, backend: str, ckpt_a: str, ckpt_b: str, calls: int) -> dict:
+    """Two updates (b, then a, then b again split into ``calls`` calls); engines report fingerprints."""
+    end, engine, group = connect_pair(rank, world, backend, ckpt_a)
+    if rank == 0:
+        reports = []
+        for version, ckpt in ((1, ckpt_b), (2, ckpt_a), (3, ckpt_b)):
+            src = CheckpointSource(ckpt)
+            manifest = src.manifest(version)
+            end.start_weight_update(manifest, version)
+            names = list(manifest.names)
+            n = calls if version == 3 else 1
+            cuts = [len(names) * i // n for i in range(n + 1)]
+            tensors = iter(src)
+            for lo, hi in zip(cuts, cuts[1:]):
+                part = [next(tensors) for _ in range(hi - lo)]
+                end.update_weights(part, names=names[lo:hi])
+            reports.append(end.finish_weight_update())
+        end.close()
+        return {"versions": [r.version for r in reports], "fingerprints": [r.fingerprints for r in reports],
+                "buckets": [r.num_buckets for r in reports]}
+    versions, fps = [], []
+    for _ in range(3):
+        report = end.receive_update()
+        versions.append(end.weight_version)
+        fps.append(report.fingerprint)
+    fresh_b = ReferenceEngine.from_checkpoint(ckpt_b, tp_group=group).fingerprint()
+    fresh_a = ReferenceEngine.from_checkpoint(ckpt_a, tp_group=group).fingerprint()
+    state = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    fresh = ReferenceEngine.from_checkpoint(ckpt_b, tp_group=group).model.state_dict()
+    equal = all(torch.equal(state[k], fresh[k]) for k in fresh)
+    tokens = engine.generate([[5, 6, 7]], 4)
+    end.close()
+    return {"versions": versions, "fingerprints": fps, "fresh": [fresh_b, fresh_a, fresh_b],
+            "bitwise_equal": equal, "tokens": tokens}
+
+
+def _flip_byte_in_bucket(receiver: WeightReceiver, bucket: int) -> None:
+    """Corrupt one payload byte of ``bucket`` after it arrived and before it is verified (a bad wire)."""
+    plane = receiver._plane
+    real_wait = plane.wait
+
+    def wait(k: int, i: int) -> Any:
+        out = real_wait(k, i)
+        if k == bucket:
+            receiver._buffers[i][100] ^= 0x5A
+        return out
+
+    plane.wait = wait  # type: ignore[method-assign]
+
+
+def faults_then_recovery(rank: int, world: int, backend: str, ckpt_a: str, ckpt_b: str, rollback: bool) -> dict:
+    """On one connection: a flipped byte, a manifest the engine rejects, a source that disagrees with its
+    manifest, a receiver whose load fails -- each agreed by every rank -- then a clean update."""
+    end, engine, _ = connect_pair(rank, world, backend, ckpt_a, tp=False, rollback=rollback)
+    src = CheckpointSource(ckpt_b)
+    manifest = src.manifest()
+    outcomes: list[tuple[str, str]] = []
+
+    def attempt(label: str, fn: Callable[[], Any]) -> None:
+        try:
+            fn()
+            outcomes.append((label, "ok"))
+        except Exception as e:  # noqa: BLE001 - the test compares the error classes of all ranks
+            outcomes.append((label, type(e).__name__))
+
+    if rank == 0:
+        # 1. a byte flipped on the wire in bucket 2 (receivers corrupt their copy)
+        attempt("checksum", lambda: end.send(src, manifest, version=10))
+        # 2. a manifest with a shape the engine cannot take
+        bad = [m if m.name != "model.norm.weight" else type(m)(m.name, m.dtype, (m.shape[0] + 1,)) for m in manifest]
+        attempt("engine_rejects_manifest", lambda: end.send(src, bad, version=11))
+        # 3. the source's first tensor disagrees with the manifest (wrong dtype)
+        wrong = ((n, t.float() if i == 0 else t) for i, (n, t) in enumerate(src))
+        attempt("source_disagrees", lambda: end.send(wrong, manifest, version=12))
+        # 4. a receiver fails while loading (its model refuses one tensor): agreed, rolled back or torn
+        attempt("receiver_load_fails", lambda: end.send(src, manifest, version=13))
+        # 5. the transport is still usable
+        attempt("clean", lambda: end.send(src, manifest, version=14))
+        end.close()
+        return {"outcomes": outcomes}
+    before = engine.fingerprint()
+    _flip_byte_in_bucket(end, 2)
+    attempt("checksum", end.receive_update)
+    after_checksum = (engine.fingerprint(), torn_reason(engine.model), end.weight_version)
+    end._plane.wait = type(end._plane).wait.__get__(end._plane)  # stop corrupting
+    attempt("engine_rejects_manifest", end.receive_update)
+    after_manifest = (engine.fingerprint(), torn_reason(engine.model))
+    attempt("source_disagrees", end.receive_update)
+    after_source = (engine.fingerprint(), torn_reason(engine.model))
+    # Make the last layer refuse its tensor on rank 1 only: the other ranks must still agree.
+    if rank == 1:
+        real_begin = engine.begin_update
+
+        def begin_update(manifest, **opts):
+            session = real_begin(manifest, **opts)
+            real_load = session.load
+
+            def load(items):
+                items = list(items)
+                if any(n == "model.norm.weight" for n, _ in items):
+                    raise RuntimeError("injected load failure on model.norm.weight")
+                return real_load(items)
+
+            session.load = load
+            return session
+
+        engine.begin_update = begin_update
+    attempt("receiver_load_fails", end.receive_update)
+    if rank == 1:
+        del engine.begin_update
+    after_load = (engine.fingerprint(), torn_reason(engine.model))
+    attempt("clean", end.receive_update)
+    fresh_b = ReferenceEngine.from_checkpoint(ckpt_b).fingerprint()
+    result = {
+        "outcomes": outcomes, "before": before, "after_checksum": after_checksum,
+        "after_manifest": after_manifest, "after_source": after_source, "after_load": after_load,
+        "final": engine.fingerprint(), "final_version": end.weight_version, "fresh_b": fresh_b,
+        "torn_final": torn_reason(engine.model),
+    }
+    end.close()
+    return result
+
+
+def repeated_updates(rank: int, world: int, backend: str, ckpt_a: str, ckpt_b: str, num_updates: int) -> dict:
+    """``num_updates`` consecutive updates alternating two checkpoints; engines sample RSS."""
+    end, engine, _ = connect_pair(rank, world, backend, ckpt_a, tp=False)
+    sources = [CheckpointSource(ckpt_b), CheckpointSource(ckpt_a)]
+    manifests = [s.manifest() for s in sources]
+    if rank == 0:
+        rss = []
+        for v in range(num_updates):
+            end.send(sources[v % 2], manifests[v % 2], version=v)
+            rss.append(rss_bytes())
+        end.close()
+        return {"rss": rss}
+    rss, fps = [], []
+    for _ in range(num_updates):
+        fps.append(end.receive_update().fingerprint)
+        rss.append(rss_bytes())
+    end.close()
+    return {"rss": rss, "fingerprints": fps}
+
+
+# ---------------------------------------------------------------------- sender death / hang
+def engine_role(address: str, rank: int, ckpt_a: str, rollback: bool, results: Any) -> None:
+    """An engine process waiting for one update from a sender that will die or hang mid-update."""
+    try:
+        engine = ReferenceEngine.from_checkpoint(ckpt_a)
+        before = engine.fingerprint()
+        receiver = WeightReceiver(engine, address, rank, rollback=rollback)
+        receiver.connect()
+        results.put(("connected", rank, time.time()))
+        try:
+            receiver.receive_update(timeout_s=60)
+            results.put(("result", rank, {"error": None}))
+            return
+        except Exception as e:  # noqa: BLE001 - reported to the parent
+            raised_at = time.time()
+            torn = torn_reason(engine.model)
+            results.put(("result", rank, {
+                "error": type(e).__name__, "message": str(e), "raised_at": raised_at,
+                "rolled_back": engine.fingerprint() == before, "torn": torn is not None,
+            }))
+    except BaseException as e:  # noqa: BLE001
+        results.put(("result", rank, {"error": f"setup: {type(e).__name__}: {e}"}))
+
+
+def sender_role(backend: str, num_receivers: int, ckpt_b: str, timeout_s: float, mode: str,
+                after_tensors: int, addresses: Any, results: Any) -> None:
+    """A trainer that dies (SIGKILL) or hangs after ``after_tensors`` tensors of its first update."""
+    import signal
+    import threading
+
+    sender = WeightSender(TransportConfig(backend=backend, bucket_bytes=64 << 10, timeout_s=timeout_s),
+                          num_receivers=num_receivers)
+    for _ in range(num_receivers):
+        addresses.put(sender.address)
+    sender.connect()
+    src = CheckpointSource(ckpt_b)
+
+    def tensors():
+        for i, item in enumerate(src):
+            if i == after_tensors:
+                results.put(("stopped", 0, time.time()))
+                if mode == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                threading.Event().wait()  # hang forever: the parent kills this process
+            yield item
+
+    sender.send(tensors(), src.manifest(), version=1)

@@ -1,0 +1,150 @@
+"""FSDP2 / DTensor source: gather one block at a time on every rank, send from one rank.
+
+Every trainer rank iterates the source in lockstep: for each block, all ranks call ``full_tensor()`` on
+the block's sharded parameters (an all-gather each, in the same order everywhere), then all ranks agree
+through a one-element all-reduce that the sending rank is still consuming; only the sending rank yields
+the tensors, the others drop them. A rank never holds more than one block of gathered tensors (the block
+is gathered completely before the agreement, so a failure can never strand the others mid-block). If the
+sending rank's consumer stops (the transport failed), its generator gathers the block the others are
+already gathering and reports the abort in the next agreement; every other rank raises SourceError
+instead of waiting in a collective.
+
+Usage, on every rank::
+
+    source = FSDPSource(model)                       # after fully_shard(...)
+    if dist.get_rank() == 0:
+        sender.update_weights(source)                # rank 0 owns the WeightSender
+    else:
+        source.participate()
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trainers.names import NameMap
+from trainers.sources import ModuleSource, SourceEntry
+from weight_sync.errors import SourceError
+from weight_sync.layers import group_by_block
+
+__all__ = ["FSDPSource"]
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without DTensor
+        return False
+    return isinstance(t, DTensor)
+
+
+class FSDPSource(ModuleSource):
+    """A :class:`ModuleSource` over a model whose parameters are DTensors (FSDP2 ``fully_shard``).
+
+    group: the process group the shards live on (default: the default group). src_rank: the group rank
+    that yields (owns the sender). ``peak_live_bytes`` records the most gathered bytes the source ever
+    had alive at once on this rank.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        name_map: NameMap | None = None,
+        *,
+        dtype: torch.dtype | None = None,
+        group: Any = None,
+        src_rank: int = 0,
+    ) -> None:
+        super().__init__(model, name_map, dtype=dtype)
+        self.group = group
+        self.src_rank = src_rank
+        self.peak_live_bytes = 0
+        self._live_bytes = 0
+        names = [e.name for e in self.entries]
+        by_name = {e.name: e for e in self.entries}
+        self.blocks: list[list[SourceEntry]] = [
+            [by_name[n] for n in block] for block in group_by_block(names, reference_order=names).values()
+        ]
+        self.largest_block_bytes = max(
+            (sum(e.tensor.numel() * self._dtype(e.tensor).itemsize for e in b) for b in self.blocks), default=0
+        )
+
+    def materialize(self, t: torch.Tensor) -> torch.Tensor:
+        return t.full_tensor().detach() if _is_dtensor(t) else t.detach()
+
+    def _track(self, t: torch.Tensor) -> None:
+        n = t.numel() * t.element_size()
+        self._live_bytes += n
+        self.peak_live_bytes = max(self.peak_live_bytes, self._live_bytes)
+
+        def release(nbytes: int = n) -> None:
+            self._live_bytes -= nbytes
+
+        weakref.finalize(t, release)
+
+    def _agree(self, abort: bool, where: str) -> None:
+        backend = dist.get_backend(self.group)
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        flag = torch.tensor([1 if abort else 0], dtype=torch.int64, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        if int(flag.item()) and not abort:
+            raise SourceError(
+                f"[rank {dist.get_rank()}] the sending rank {self.src_rank} stopped consuming weights {where}; "
+                "every trainer rank stops the gather"
+            )
+
+    def _gather(self, block: list[SourceEntry]) -> list[tuple[str, torch.Tensor]]:
+        out = []
+        with torch.no_grad():
+            for e in block:
+                t = self.produce(e)
+                self._track(t)
+                out.append((e.name, t))
+        return out
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        sending = dist.get_rank(self.group) == self.src_rank
+        self._started = True
+        b = 0
+        finished = False
+        try:
+            for b in range(len(self.blocks)):
+                block = self.blocks[b]
+                gathered = self._gather(block)
+                self._agree(False, f"before block {block[0].name}")
+                if not sending:
+                    gathered.clear()
+                    continue
+                while gathered:
+                    name, t = gathered.pop(0)
+                    yield name, t
+                    del t
+            self._agree(False, "after the last block")
+            finished = True
+        finally:
+            if sending and not finished:
+                # The consumer stopped while we were yielding block b: the others are gathering block
+                # b+1 (or waiting in the final agreement); join them, then tell them to stop.
+                if b + 1 < len(self.blocks):
+                    self._gather(self.blocks[b + 1]).clear()
+                self._agree(True, "mid-update")
+
+    def abort(self) -> None:
+        """On the sending rank, when the transport failed before this source was iterated at all: join the
+        other ranks' first gather and tell them to stop (an iteration in progress does this itself)."""
+        if getattr(self, "_started", False) or not self.blocks:
+            return
+        self._started = True
+        self._gather(self.blocks[0]).clear()
+        self._agree(True, "before the first block")
+
+    def participate(self) -> None:
+        """Run this rank's part of the lockstep gather (ranks that do not send)."""
+        for _ in self:
+            raise AssertionError("a non-sending rank must not yield tensors")
