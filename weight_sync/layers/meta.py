@@ -93,7 +93,11 @@ def rematerialize(
         try:
             t: torch.Tensor = cls(data, requires_grad=record.requires_grad)
         except TypeError:
-            t = nn.Parameter(data, requires_grad=record.requires_grad)
+            # Subclasses whose constructor takes other arguments (vLLM's ModelWeightParameter needs a
+            # weight_loader) are rebuilt the way nn.Parameter.__new__ builds them, skipping __init__;
+            # the record's attributes below restore what __init__ had set. Falling back to a plain
+            # Parameter would lose class-level behaviour (vLLM's weight_loader is a property).
+            t = torch.Tensor._make_subclass(cls, data, record.requires_grad)
     else:
         t = data
     for k, v in record.attrs.items():

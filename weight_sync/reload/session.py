@@ -114,6 +114,8 @@ class UpdateSession:
         self._open: dict[str, _OpenLayer] = {}
         self._touched: set[str] = set()
         self._snapshots: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        # (module, initial attribute names, processor-created attributes before this update), for rollback.
+        self._attr_snapshots: list[tuple[nn.Module, frozenset[str], dict[str, Any]]] = []
         self._direct_done: set[str] = set()
         self._processed_done: list[str] = []
         self._first_processed: list[LayerInfo] = []
@@ -400,6 +402,10 @@ class UpdateSession:
                     )
             # The layer currently holds the processor's new tensors; the old kernel tensors are in `old`.
             self._snapshot(info, old)
+            if self.rollback:
+                # Kernel state a processor keeps outside tensors (e.g. a oneDNN handle holding prepacked
+                # weights on CPU) is replaced, not copied into: keep the previous objects for rollback.
+                self._attr_snapshots.append((mod, info.initial_attrs, dict(ol.extra_attrs)))
             self._touched.add(info.name)
             for k, dst in old.items():
                 new = produced[k]
@@ -544,6 +550,11 @@ class UpdateSession:
                 for snaps in self._snapshots.values():
                     for live, host in snaps:
                         live.copy_(host)
+            for mod, initial, attrs in reversed(self._attr_snapshots):
+                for k in [k for k, v in vars(mod).items()
+                          if k not in initial and not isinstance(v, torch.Tensor)]:
+                    del mod.__dict__[k]
+                mod.__dict__.update(attrs)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             unrestored = self._touched - set(self._snapshots)

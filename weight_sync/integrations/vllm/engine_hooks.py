@@ -1,0 +1,190 @@
+"""Engine-level guarantees that workers cannot give: cache invalidation, no serving of torn weights.
+
+Workers own the weights; the engine core owns the scheduler and its prefix cache, and the client owns the
+call arguments. Three small wrappers, installed once per process by the plugin (and by
+:func:`~weight_sync.integrations.vllm.engine_args.engine_kwargs`), act only on engines whose
+``additional_config`` carries weight_sync options; every other engine passes straight through.
+
+``EngineCore.collective_rpc``
+    After a successful ``reload_weights`` / ``finish_weight_update``: reset the prefix cache (preempting
+    running requests, so their KV is recomputed with the new weights) and the encoder cache. Between
+    ``start_weight_update`` and ``finish_weight_update``: the scheduler is held (nothing steps on
+    half-written weights; queued requests wait). After a failed update: ask the workers whether the model
+    is torn; if so, abort in-flight requests and refuse new ones until a complete update succeeds.
+``EngineCore.preprocess_add_request``
+    Refuses requests (naming the failed update) while the engine is torn.
+``SyncMPClient.collective_rpc`` / ``AsyncMPClient.collective_rpc_async``
+    A ``reload_weights`` call whose ``weights_iterator`` is tensors is spooled through
+    :mod:`~weight_sync.integrations.vllm.handoff`, so it reaches worker processes without pickle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from typing import Any
+
+from weight_sync.errors import TornModelError
+from weight_sync.integrations.vllm.handoff import is_handoff, share_weights
+from weight_sync.integrations.vllm.options import WeightSyncOptions
+
+__all__ = ["install_engine_hooks"]
+
+log = logging.getLogger(__name__)
+
+_COMMITS = frozenset({"reload_weights", "finish_weight_update"})
+_SESSION_STEPS = frozenset({"start_weight_update", "update_weights"})
+_INSTALLED = False
+
+
+def _options(vllm_config: Any) -> WeightSyncOptions | None:
+    try:
+        return WeightSyncOptions.from_vllm_config(vllm_config)
+    except Exception:  # a malformed config is reported by the worker, which parses it strictly
+        return None
+
+
+def install_engine_hooks() -> None:
+    """Wrap the engine core and the multiprocess clients of this process (idempotent)."""
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    from vllm.v1.engine.core import EngineCore
+    from vllm.v1.engine.core_client import AsyncMPClient, SyncMPClient
+
+    EngineCore.collective_rpc = _wrap_core_rpc(EngineCore.collective_rpc)  # type: ignore[method-assign]
+    EngineCore.preprocess_add_request = _wrap_add_request(  # type: ignore[method-assign]
+        EngineCore.preprocess_add_request
+    )
+    SyncMPClient.collective_rpc = _wrap_sync_client(SyncMPClient.collective_rpc)  # type: ignore[method-assign]
+    AsyncMPClient.collective_rpc_async = _wrap_async_client(  # type: ignore[method-assign]
+        AsyncMPClient.collective_rpc_async
+    )
+    _INSTALLED = True
+
+
+# ---------------------------------------------------------------------- engine core
+def _wrap_core_rpc(original: Any) -> Any:
+    @functools.wraps(original)
+    def collective_rpc(self: Any, method: Any, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> Any:
+        if not isinstance(method, str) or _options(self.vllm_config) is None:
+            return original(self, method, timeout, args, kwargs)
+        if method == "start_weight_update":
+            _hold(self)
+        try:
+            result = original(self, method, timeout, args, kwargs)
+        except BaseException:
+            if method in _COMMITS or method in _SESSION_STEPS:
+                _after_failure(self, original, method)
+            raise
+        if method in _COMMITS:
+            _after_commit(self)
+        return result
+
+    return collective_rpc
+
+
+def _hold(core: Any) -> None:
+    from vllm.v1.core.sched.interface import PauseState
+
+    if core.scheduler.pause_state == PauseState.UNPAUSED:
+        core.scheduler.set_pause_state(PauseState.PAUSED_ALL)
+        core._ws_held = True
+
+
+def _release(core: Any) -> None:
+    from vllm.v1.core.sched.interface import PauseState
+
+    if getattr(core, "_ws_held", False):
+        core.scheduler.set_pause_state(PauseState.UNPAUSED)
+        core._ws_held = False
+
+
+def _after_commit(core: Any) -> None:
+    core._ws_torn = None
+    # Blocks cached under the old weights must never be hit again; requests already running are
+    # preempted and recomputed so their KV does not mix versions either.
+    if not core.scheduler.reset_prefix_cache(reset_running_requests=True):
+        log.warning("weight_sync: the prefix cache could not be reset after a weight update")
+    core.scheduler.reset_encoder_cache()
+    _release(core)
+
+
+def _after_failure(core: Any, rpc: Any, method: str) -> None:
+    try:
+        states = rpc(core, "ws_status", None, (), None)
+    except Exception as e:  # the workers cannot say: assume the worst
+        states = [{"torn": f"{method} failed and the workers' state is unknown ({e})"}]
+    torn = next((s["torn"] for s in states if isinstance(s, dict) and s.get("torn")), None)
+    if torn is None:
+        # Nothing was written (rejected before the first write) or it was rolled back: the previous
+        # weights are intact and the failed session is over, so serving resumes on them.
+        _release(core)
+        return
+    core._ws_torn = torn
+    from vllm.v1.request import RequestStatus
+
+    aborted = core.scheduler.finish_requests(None, RequestStatus.FINISHED_ABORTED)
+    send = getattr(core, "_send_abort_outputs", None)
+    if aborted and callable(send):
+        send(aborted)
+    core.scheduler.reset_prefix_cache(reset_running_requests=True)
+    _release(core)
+    log.error("weight_sync: the model is torn (%s); refusing requests until a complete update", torn)
+
+
+def _wrap_add_request(original: Any) -> Any:
+    @functools.wraps(original)
+    def preprocess_add_request(self: Any, request: Any) -> Any:
+        torn = getattr(self, "_ws_torn", None)
+        if torn:
+            raise TornModelError(
+                f"request {request.request_id} refused: {torn}; the engine serves again after a "
+                "complete weight update succeeds"
+            )
+        return original(self, request)
+
+    return preprocess_add_request
+
+
+# ---------------------------------------------------------------------- clients
+def _needs_spool(client: Any, method: Any, kwargs: dict[str, Any] | None) -> WeightSyncOptions | None:
+    if method != "reload_weights" or not kwargs or kwargs.get("weights_iterator") is None:
+        return None
+    if is_handoff(kwargs["weights_iterator"]):
+        return None
+    return _options(client.vllm_config)
+
+
+def _wrap_sync_client(original: Any) -> Any:
+    @functools.wraps(original)
+    def collective_rpc(self: Any, method: Any, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> Any:
+        opts = _needs_spool(self, method, kwargs)
+        if opts is None:
+            return original(self, method, timeout, args, kwargs)
+        assert kwargs is not None
+        with share_weights(kwargs["weights_iterator"], directory=opts.handoff_dir) as spool:
+            return original(self, method, timeout, args, {**kwargs, "weights_iterator": spool.handle})
+
+    return collective_rpc
+
+
+def _wrap_async_client(original: Any) -> Any:
+    @functools.wraps(original)
+    async def collective_rpc_async(self: Any, method: Any, timeout: float | None = None,
+                                   args: tuple = (), kwargs: dict[str, Any] | None = None) -> Any:
+        opts = _needs_spool(self, method, kwargs)
+        if opts is None:
+            return await original(self, method, timeout, args, kwargs)
+        assert kwargs is not None
+        # Spooling is file I/O; keep the event loop (and the requests it serves) responsive meanwhile.
+        spool = await asyncio.to_thread(
+            share_weights, kwargs["weights_iterator"], directory=opts.handoff_dir
+        )
+        with spool:
+            return await original(self, method, timeout, args, {**kwargs, "weights_iterator": spool.handle})
+
+    return collective_rpc_async

@@ -1,0 +1,181 @@
+"""The worker half of the integration: a mixin for vLLM's worker classes.
+
+vLLM calls worker methods by name through ``collective_rpc``; the mixin overrides ``reload_weights`` and
+``load_model`` and adds ``ws_*`` methods (vLLM forbids extension methods whose names exist on the worker,
+so the names are new). Concrete classes for each platform live in ``worker_cpu`` / ``worker_gpu`` so that
+importing one never imports the other platform's worker.
+
+RPCs (all return JSON-able values):
+- ``reload_weights(weights_path=..., weights_iterator=..., version=..., rollback=..., budget_bytes=...,
+  fingerprint=...)``: a weight_sync update of vLLM's model; returns the update report as a dict.
+- ``ws_fingerprint()``: :func:`~weight_sync.integrations.vllm.model_hooks.kernel_fingerprint` of the model.
+- ``ws_last_report()``: the report of the last successful update, or None.
+- ``ws_status()``: ``{"torn": reason | None, "version": ..., "updating": bool}``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import weight_sync
+from weight_sync.errors import ConfigError
+from weight_sync.integrations.vllm.handoff import is_handoff, open_handoff
+from weight_sync.integrations.vllm.model_hooks import (
+    kernel_fingerprint,
+    prepare_loaded_model,
+    recording_model_format,
+)
+from weight_sync.integrations.vllm.options import WeightSyncOptions
+from weight_sync.manifest import Manifest
+from weight_sync.reload import torn_reason
+from weight_sync.reload.state import get_state
+
+__all__ = ["WeightSyncWorkerMixin"]
+
+log = logging.getLogger(__name__)
+
+
+class WeightSyncWorkerMixin:
+    """Mixed in front of a vLLM worker class (``class W(WeightSyncWorkerMixin, CPUWorker)``)."""
+
+    vllm_config: Any
+    model_config: Any
+    model_runner: Any
+    rank: int
+
+    # ------------------------------------------------------------------ setup
+    @property
+    def ws_options(self) -> WeightSyncOptions:
+        opts = WeightSyncOptions.from_vllm_config(self.vllm_config)
+        return opts if opts is not None else WeightSyncOptions()
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        if self.ws_options.cpu_fp8_fallback:
+            from weight_sync.integrations.vllm.cpu_fp8 import install_cpu_fp8_fallback
+
+            install_cpu_fp8_fallback()
+        with recording_model_format(self.vllm_config) as built:
+            super().load_model(*args, **kwargs)  # type: ignore[misc]
+        model = self.get_model()  # type: ignore[attr-defined]
+        if not any(m is model for m in built):
+            raise RuntimeError(
+                f"[rank {self.rank}] weight_sync did not see vLLM build {type(model).__name__}: the model "
+                "loader bypassed record_metadata_for_reloading, so reloads cannot restore model format"
+            )
+        prepare_loaded_model(model, self.vllm_config)
+        self._ws_last_report: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------------ reload
+    def reload_weights(
+        self,
+        weights_iterator: Iterable[tuple[str, torch.Tensor]] | dict[str, str] | None = None,
+        weights_path: str | None = None,
+        is_checkpoint_format: bool = True,
+        *,
+        version: int | str | None = None,
+        rollback: bool | None = None,
+        budget_bytes: int | None = None,
+        fingerprint: bool | None = None,
+    ) -> dict[str, Any] | None:
+        """Update the model's weights through weight_sync; returns the update report as a dict.
+
+        Sources: ``weights_path`` (a local safetensors file or directory, validated from its headers
+        before any write), ``weights_iterator`` (a list of (name, tensor), a lazy iterable, or a handle
+        from :func:`~weight_sync.integrations.vllm.handoff.share_weights`), or neither (the checkpoint the
+        engine was last loaded from). ``is_checkpoint_format=False`` (already-processed kernel tensors) is
+        vLLM's own in-place copy and is passed through to it.
+        """
+        if not is_checkpoint_format:
+            super().reload_weights(  # type: ignore[misc]
+                weights_iterator=weights_iterator, weights_path=weights_path, is_checkpoint_format=False
+            )
+            return None
+        if weights_iterator is not None and weights_path is not None:
+            raise ConfigError("reload_weights takes weights_iterator or weights_path, not both")
+        opts = self.ws_options
+        update_opts: dict[str, Any] = {
+            "version": version,
+            "rollback": opts.rollback if rollback is None else rollback,
+            "budget_bytes": opts.budget_bytes if budget_bytes is None else budget_bytes,
+            # The reload package's own fingerprint would hash KV caches; ours skips them (below).
+            "fingerprint": False,
+        }
+        model: nn.Module = self.get_model()  # type: ignore[attr-defined]
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(self.vllm_config):
+            if weights_iterator is None:
+                path = _local_checkpoint(weights_path or self.model_config.model)
+                report = weight_sync.reload_weights(model, weights_path=path, **update_opts)
+            elif is_handoff(weights_iterator):
+                reader = open_handoff(weights_iterator)
+                report = weight_sync.reload_weights(
+                    model, weights_iterator=reader, manifest=reader.manifest, **update_opts
+                )
+            elif isinstance(weights_iterator, (list, tuple)):
+                # Everything is known up front: announce it, so the update is validated before any write.
+                manifest = Manifest.from_named_tensors(weights_iterator, version=version)
+                report = weight_sync.reload_weights(
+                    model, weights_iterator=weights_iterator, manifest=manifest, **update_opts
+                )
+            else:
+                report = weight_sync.reload_weights(
+                    model, weights_iterator=weights_iterator, **update_opts
+                )
+        if weights_path is not None:
+            # vLLM's convention: a later argument-less reload reads the checkpoint loaded last.
+            self.model_config.model = str(weights_path)
+        self._ws_after_update()
+        out = report.to_dict()
+        want_fp = opts.fingerprint if fingerprint is None else fingerprint
+        out["fingerprint"] = kernel_fingerprint(model) if want_fp else None
+        self._ws_last_report = out
+        log.info("[rank %d] weight_sync reload: %s", self.rank, report.summary())
+        return out
+
+    def _ws_after_update(self) -> None:
+        """Drop worker-side state derived from the old weights (vLLM's own reload does the same)."""
+        runner = self.model_runner
+        for name in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
+            fn = getattr(runner, name, None)
+            if callable(fn):
+                fn()
+
+    def ws_record_report(self, report: dict[str, Any]) -> None:
+        """Remember ``report`` as the last update's (used by the weight-transfer backend)."""
+        self._ws_last_report = report
+
+    # ------------------------------------------------------------------ extension RPCs
+    def ws_fingerprint(self) -> str:
+        """Fingerprint of the model's kernel tensors (KV caches excluded)."""
+        return kernel_fingerprint(self.get_model())  # type: ignore[attr-defined]
+
+    def ws_last_report(self) -> dict[str, Any] | None:
+        """The report of the last successful weight_sync update on this worker, or None."""
+        return getattr(self, "_ws_last_report", None)
+
+    def ws_status(self) -> dict[str, Any]:
+        """Whether the model is torn (and why), its weight version, and whether an update is open."""
+        model = self.get_model()  # type: ignore[attr-defined]
+        state = get_state(model)
+        return {
+            "torn": torn_reason(model),
+            "version": state.version,
+            "updating": state.active is not None,
+        }
+
+
+def _local_checkpoint(path: str) -> str:
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(
+            f"weights_path {path!r} is not a local file or directory; weight_sync reloads from local "
+            "safetensors checkpoints (download hub models first)"
+        )
+    return str(p)
