@@ -207,6 +207,8 @@ def _discard_invalid(root: CacheRoot, key: CacheKey) -> str:
         if not try_lock(lease_fd, shared=False):
             return "it stays because a live process maps it; run `weight-sync cache verify`"
         root.discard(entry)
+    except OSError as e:
+        return f"it could not be removed ({e}); run `weight-sync cache evict`"
     finally:
         lease.close()
     return "it was removed so the next start republishes"
@@ -313,6 +315,10 @@ def load_with_runtime_cache(
         return call.result("fallback", f"{tag}: cannot open the publisher lock: {e}", key=key)
     try:
         return _publish_or_map(call, root, key, tag, names, specs, loaded, max_shard_bytes)
+    except (CacheError, OSError) as e:
+        # _publish_or_map handles the expected failures itself; this net keeps the promise that cache
+        # trouble never fails a load (the ordinary tensors are still in place: nothing was re-pointed).
+        return call.result("fallback", f"{tag}: {e}", key=key)
     finally:
         release(lock_fd)
 
