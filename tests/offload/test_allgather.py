@@ -27,8 +27,10 @@ def test_allgather_host_bytes_per_rank_are_about_one_half_of_the_blocks() -> Non
         m = r["metrics"]
         assert m["host_storage"] == "packed"
         assert 0.49 * m["block_bytes"] <= m["host_bytes"] <= 0.55 * m["block_bytes"]
-        # Each rank copies its half over "PCIe" and receives the other half from its peer.
-        assert m["h2d_bytes"] == pytest.approx(m["fabric_bytes"], rel=0.01)
+        # Each rank copies its half over "PCIe" and receives the other half from its peer (the
+        # prefetch of the next step's first block may have copied but not yet gathered).
+        per_gather = m["fabric_bytes"] // m["num_gathers"]
+        assert m["h2d_bytes"] in (m["num_gathers"] * per_gather, (m["num_gathers"] + 1) * per_gather)
 
 
 def test_usp_group_gathers_when_data_parallel_size_is_one() -> None:

@@ -7,7 +7,12 @@ import argparse
 import pytest
 
 from weight_sync.errors import ConfigError
-from weight_sync.offload import DEFAULT_RUNTIME_CACHE_DIR, OffloadConfig, add_offload_args, config_from_args
+from weight_sync.offload import (
+    DEFAULT_RUNTIME_CACHE_DIR,
+    OffloadConfig,
+    add_offload_args,
+    config_from_args,
+)
 from weight_sync.offload.gather_group import gather_group_ranks
 
 

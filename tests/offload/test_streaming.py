@@ -184,7 +184,7 @@ def test_keyword_options_mirror_the_flags() -> None:
 
 
 def test_host_weights_are_packed_once_into_one_pinned_arena() -> None:
-    ref, off = _pair(num_blocks=4)
+    _, off = _pair(num_blocks=4)
     with enable_layerwise_offload(off, _config()) as handle:
         off.generate(tokens=8, num_inference_steps=2)
         m = handle.metrics()

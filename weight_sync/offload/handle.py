@@ -73,6 +73,12 @@ class OffloadHandle:
             raise ConfigError("this offload was enabled with trace=False; enable it with trace=True")
         return self._trace.spans()
 
+    def reset_trace(self) -> None:
+        """Start the timeline afresh (e.g. after warm-up)."""
+        if self._trace is None:
+            raise ConfigError("this offload was enabled with trace=False; enable it with trace=True")
+        self._trace.reset()
+
     def disable(self) -> None:
         """Restore the resident model: every streamed block gets its own device tensors again.
 

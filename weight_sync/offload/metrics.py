@@ -79,6 +79,18 @@ class Trace:
             self._t0 = time.perf_counter()
         self._used = 0
 
+    def reset(self) -> None:
+        """Drop recorded spans and restart the clock (e.g. after warm-up); reuses the event pool."""
+        self.shim.synchronize()
+        with self._lock:
+            self._raw.clear()
+            self._used = 0
+            self.dropped = 0
+            if self.shim.is_cuda:
+                self._base.record()
+            else:
+                self._t0 = time.perf_counter()
+
     def begin(self) -> Any:
         """A start mark on the current stream (GPU) or now (CPU); None once the pool is spent."""
         if not self.shim.is_cuda:

@@ -56,6 +56,8 @@ class BlockStreamer:
         slot_bytes = max(lay.padded_bytes if gather.active else lay.nbytes for lay in layouts)
         # The only device memory offload allocates for streamed blocks: two slots, once.
         self.slots = [torch.zeros(slot_bytes, dtype=torch.uint8, device=shim.device) for _ in range(2)]
+        # The zero fill runs on the compute stream; the copy stream's first write must not race it.
+        shim.synchronize()
         metrics.slot_bytes = slot_bytes
         metrics.num_slots_allocated += 2
         self.views = [[slot_views(lay, slot) for slot in self.slots] for lay in self.layouts]

@@ -10,17 +10,33 @@ from weight_sync.testing.checkpoint import (
 )
 from weight_sync.testing.compare import assert_bitwise_equal, bitwise_equal, kernel_tensors
 from weight_sync.testing.distributed import DistributedFailure, run_distributed
+from weight_sync.testing.dit import (
+    DiTBlock,
+    DiTConfig,
+    SyntheticDiT,
+    SyntheticDiTPipeline,
+    make_latents,
+    tiny_flux_inputs,
+    tiny_flux_transformer,
+)
 
 __all__ = [
     "ARCHS",
     "PRESETS",
+    "DiTBlock",
+    "DiTConfig",
     "DistributedFailure",
+    "SyntheticDiT",
+    "SyntheticDiTPipeline",
     "assert_bitwise_equal",
     "bitwise_equal",
     "hf_config",
     "kernel_tensors",
     "make_checkpoint",
+    "make_latents",
     "random_weights",
     "run_distributed",
+    "tiny_flux_inputs",
+    "tiny_flux_transformer",
     "write_tokenizer",
 ]

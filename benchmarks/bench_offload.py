@@ -1,0 +1,436 @@
+"""Layerwise offload vs resident (and diffusers group offloading) on a synthetic DiT, in one run.
+
+Per token count it measures, on the same model and device: the resident forward, one block's compute,
+one block's H2D from pinned memory, our offloaded forward (no AllGather) and, when diffusers (with
+accelerate) is importable, ``apply_group_offloading(block_level, use_stream=True)``. It reports the
+physical bound ``max(1, h2d / compute)`` per block, our ratio to it, our ratio to diffusers and the
+device peak memory against ``non-block weights + 2 slots + activations``. ``--dp 2`` adds AllGather
+(NCCL on GPU, gloo on CPU) against resident at ``--dp-tokens``. A trace of one offloaded forward is
+drawn as a PNG timeline (compute / H2D / AllGather lanes).
+
+GPU (defaults: Flux-sized, 16 blocks, hidden 3072, 24 heads, bf16, 1024/4096/16384 tokens):
+    python benchmarks/bench_offload.py --dp 2
+CPU (small):
+    python benchmarks/bench_offload.py --device cpu
+Writes benchmarks/results/offload_<tag>.json / .md / _timeline.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime as dt
+import gc
+import json
+import platform
+import statistics
+import sys
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from weight_sync.offload import OffloadConfig, enable_layerwise_offload
+from weight_sync.testing.dit import DiTConfig, SyntheticDiT
+
+RESULTS = Path(__file__).resolve().parent / "results"
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+ANCHOR_PINNED_H2D_GBPS = 55.0  # measured on the H200 machines (shared/DESIGN.md)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_ms(fn: Any, device: torch.device, *, warmup: int, repeats: int) -> float:
+    """Median wall time of ``fn`` in ms, the device synchronized around each call."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _block_bytes(model: SyntheticDiT) -> int:
+    return sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
+
+
+def _non_block_bytes(model: SyntheticDiT) -> int:
+    block_ids = {id(p) for p in model.blocks.parameters()}
+    return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in block_ids)
+
+
+def _inputs(model: SyntheticDiT, tokens: int, dtype: torch.dtype, device: torch.device) -> tuple:
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(1, tokens, model.config.in_channels, generator=g).to(device=device, dtype=dtype)
+    return x, torch.full((1,), 0.5, device=device)
+
+
+def _h2d_ms(nbytes: int, device: torch.device, *, warmup: int, repeats: int) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return timed_ms(lambda: dst.copy_(src, non_blocking=True), device, warmup=warmup, repeats=repeats)
+
+
+def _mem(device: torch.device) -> int:
+    return int(torch.cuda.memory_allocated(device)) if device.type == "cuda" else 0
+
+
+def _forward_peak_delta(fn: Any, device: torch.device) -> int | None:
+    """Extra device memory one call of ``fn`` needs above what is allocated before it (GPU only)."""
+    if device.type != "cuda":
+        return None
+    _sync(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = _mem(device)
+    fn()
+    _sync(device)
+    return int(torch.cuda.max_memory_allocated(device)) - before
+
+
+def _interleaved_ms(fns: dict[str, Any], device: torch.device, *, warmup: int, repeats: int) -> dict[str, float]:
+    """Median ms of each function, timed in turn within every repeat.
+
+    Interleaving keeps the comparison fair when the machine's load drifts (shared CPU hosts): every
+    variant sees the same conditions in each round.
+    """
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    _sync(device)
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            samples[name].append((time.perf_counter() - t0) * 1e3)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def measure_single(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    """Resident, per-block compute/H2D, ours and diffusers for every token count, interleaved."""
+    torch.manual_seed(0)
+    cfg = DiTConfig(hidden=args.hidden, heads=args.heads, num_blocks=args.num_blocks,
+                    in_channels=args.in_channels, time_dim=256)
+    base = SyntheticDiT(cfg).to(dtype).eval().requires_grad_(False)
+    block_bytes, non_block = _block_bytes(base), _non_block_bytes(base)
+    w, r = args.warmup, args.repeats
+    h2d = _h2d_ms(block_bytes, device, warmup=w, repeats=r)
+
+    resident = copy.deepcopy(base).to(device)
+    before = _mem(device)
+    ours = copy.deepcopy(base)
+    handle = enable_layerwise_offload(ours, OffloadConfig(
+        enable_distributed_layerwise_offload=True, dlo_use_allgather=False, device=str(device)))
+    ours_persistent = _mem(device) - before  # non-block weights + the two slots
+    diff_model, diffusers_info = _diffusers_model(base, device)
+    rows: list[dict[str, Any]] = []
+    with torch.no_grad():
+        for tokens in args.tokens:
+            x, t = _inputs(base, tokens, dtype, device)
+            fns = {"resident": partial(resident, x, t), "ours": partial(ours, x, t)}
+            if diff_model is not None:
+                fns["diffusers"] = partial(diff_model, x, t)
+            ms = _interleaved_ms(fns, device, warmup=w, repeats=r)
+            h = resident.proj_in(x)
+            blk = resident.blocks[0]
+            row: dict[str, Any] = {
+                "tokens": tokens,
+                "resident_ms": ms["resident"],
+                "compute_per_block_ms": timed_ms(partial(blk, h), device, warmup=w, repeats=2 * r),
+                "h2d_per_block_ms": h2d,
+                "h2d_per_block_ms_at_55GBps": block_bytes / (ANCHOR_PINNED_H2D_GBPS * 1e9) * 1e3,
+                "ours_ms": ms["ours"],
+            }
+            row["bound_ratio"] = max(1.0, h2d / row["compute_per_block_ms"])
+            row["ours_ratio"] = row["ours_ms"] / row["resident_ms"]
+            row["ours_vs_bound"] = row["ours_ratio"] / row["bound_ratio"]
+            if "diffusers" in ms:
+                row["diffusers_ms"] = ms["diffusers"]
+                row["diffusers_ratio"] = ms["diffusers"] / row["resident_ms"]
+                row["ours_vs_diffusers"] = row["ours_ms"] / ms["diffusers"]
+            activations = _forward_peak_delta(fns["resident"], device)
+            ours_delta = _forward_peak_delta(fns["ours"], device)
+            if activations is not None and ours_delta is not None:
+                row["activation_bytes"] = activations
+                row["ours_peak_bytes"] = ours_persistent + ours_delta
+                row["peak_budget_bytes"] = non_block + 2 * handle.metrics()["slot_bytes"] + activations
+                row["peak_within_budget"] = row["ours_peak_bytes"] <= row["peak_budget_bytes"] * 1.02
+                if diff_model is not None:
+                    row["diffusers_peak_bytes"] = _forward_peak_delta(fns["diffusers"], device)
+            rows.append(row)
+    metrics = handle.metrics()
+    handle.disable()
+    del fns, blk, h, resident, ours, handle, diff_model
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    trace_rows = None
+    if args.trace_tokens:
+        traced = copy.deepcopy(base)
+        th = enable_layerwise_offload(traced, OffloadConfig(
+            enable_distributed_layerwise_offload=True, dlo_use_allgather=False, device=str(device),
+            trace=True, trace_capacity=4096))
+        x, t = _inputs(base, args.trace_tokens, dtype, device)
+        with torch.no_grad():
+            traced(x, t)
+            th.reset_trace()  # start the timeline after the warm-up
+            traced(x, t)
+        trace_rows = [s.__dict__ for s in th.trace()]
+        th.disable()
+        del traced
+    return {
+        "block_bytes": block_bytes, "non_block_bytes": non_block, "num_blocks": cfg.num_blocks,
+        "rows": rows, "ours_metrics": metrics, "diffusers": diffusers_info, "trace": trace_rows,
+    }
+
+
+def _diffusers_model(base: SyntheticDiT, device: torch.device) -> tuple[Any, dict[str, Any]]:
+    """A copy of ``base`` under diffusers group offloading (block level, streams on GPU), if available."""
+    try:
+        import diffusers
+        from diffusers.hooks import apply_group_offloading
+        from diffusers.utils import is_accelerate_available
+    except ImportError as e:
+        return None, {"available": False, "reason": f"diffusers not importable: {e}"}
+    if not is_accelerate_available():
+        return None, {"available": False, "reason": "diffusers group offloading needs accelerate"}
+    use_stream = device.type == "cuda"
+    m = copy.deepcopy(base)
+    apply_group_offloading(m, onload_device=device, offload_device=torch.device("cpu"),
+                           offload_type="block_level", num_blocks_per_group=1, use_stream=use_stream)
+    return m, {"available": True, "version": diffusers.__version__,
+               "mode": f"block_level, num_blocks_per_group=1, use_stream={use_stream}"}
+
+
+def _dp_rank(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
+    """One rank of the AllGather measurement (module level: spawned)."""
+    device = torch.device(opts["device"])
+    if device.type == "cuda":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(1)
+    dtype = _DTYPES[opts["dtype"]]
+    torch.manual_seed(0)
+    cfg = DiTConfig(**opts["dit"])
+    base = SyntheticDiT(cfg).to(dtype).eval().requires_grad_(False)
+    x, t = _inputs(base, opts["tokens"], dtype, device)
+    w, r = opts["warmup"], opts["repeats"]
+    resident = copy.deepcopy(base).to(device)
+    with torch.no_grad():
+        resident_ms = timed_ms(partial(resident, x, t), device, warmup=w, repeats=r)
+        expected = resident(x, t)
+    del resident
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    off = copy.deepcopy(base)
+    handle = enable_layerwise_offload(off, OffloadConfig(
+        enable_distributed_layerwise_offload=True, data_parallel_size=world, device=str(device),
+        trace=True, trace_capacity=4096))
+    with torch.no_grad():
+        ours_ms = timed_ms(partial(off, x, t), device, warmup=w, repeats=r)
+        handle.reset_trace()  # trace one steady-state forward
+        out = off(x, t)
+    spans = [s.__dict__ for s in handle.trace()] if rank == 0 else None
+    m = handle.metrics()
+    handle.disable()
+    return {"rank": rank, "resident_ms": resident_ms, "allgather_ms": ours_ms,
+            "ratio": ours_ms / resident_ms, "bitwise_equal": bool(torch.equal(out, expected)),
+            "host_bytes_ratio": m["host_bytes"] / m["block_bytes"], "metrics": m, "trace": spans}
+
+
+def measure_dp(args: argparse.Namespace, device: torch.device) -> dict[str, Any] | None:
+    if args.dp < 2:
+        return None
+    if device.type == "cuda" and torch.cuda.device_count() < args.dp:
+        return {"skipped": f"--dp {args.dp} needs {args.dp} GPUs, found {torch.cuda.device_count()}"}
+    from weight_sync.testing import run_distributed
+
+    opts = {"device": device.type, "dtype": args.dtype, "tokens": args.dp_tokens,
+            "warmup": args.warmup, "repeats": args.repeats,
+            "dit": {"hidden": args.hidden, "heads": args.heads, "num_blocks": args.num_blocks,
+                    "in_channels": args.in_channels, "time_dim": 256}}
+    results = run_distributed(_dp_rank, args.dp, opts, backend="nccl" if device.type == "cuda" else "gloo",
+                              timeout_s=900)
+    return {"tokens": args.dp_tokens, "dp": args.dp, "ranks": results}
+
+
+def hardware(device: torch.device) -> dict[str, Any]:
+    info: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
+                            "platform": platform.platform(), "device": str(device)}
+    try:
+        with open("/proc/cpuinfo") as f:
+            info["cpu"] = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
+    except OSError:
+        info["cpu"] = platform.processor()
+    import os
+
+    info["cpu_count"] = os.cpu_count()
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+        info["gpu_count"] = torch.cuda.device_count()
+        info["cuda"] = torch.version.cuda
+    try:
+        import diffusers
+
+        info["diffusers"] = diffusers.__version__
+    except ImportError:
+        info["diffusers"] = None
+    return info
+
+
+def draw_timeline(spans: list[dict[str, Any]], path: Path, title: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    lanes = ["compute", "h2d", "allgather"]
+    colors = {"compute": "tab:blue", "h2d": "tab:orange", "allgather": "tab:green"}
+    t0 = min(s["start_ms"] for s in spans)
+    fig, ax = plt.subplots(figsize=(12, 2.8))
+    for i, lane in enumerate(lanes):
+        bars = [(s["start_ms"] - t0, max(s["end_ms"] - s["start_ms"], 1e-3)) for s in spans if s["kind"] == lane]
+        ax.broken_barh(bars, (i - 0.4, 0.8), facecolors=colors[lane], edgecolor="black", linewidth=0.3)
+        for s in spans:
+            if s["kind"] == lane and len(bars) <= 40:
+                ax.text(s["start_ms"] - t0, i, s["block"].rsplit(".", 1)[-1], fontsize=6, va="center")
+    ax.set_yticks(range(len(lanes)), lanes)
+    ax.set_xlabel("ms")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return True
+
+
+def _gb(n: int | None) -> str:
+    return "-" if n is None else f"{n / 1e9:.2f}"
+
+
+def write_report(result: dict[str, Any], tag: str) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    single = result["single"]
+    lines = [
+        f"# Layerwise offload benchmark ({tag}, {result['date']})", "",
+        f"Command: `{result['command']}`", "",
+        "Hardware / versions: " + ", ".join(f"{k}={v}" for k, v in result["hardware"].items()), "",
+        f"Workload: synthetic DiT, {single['num_blocks']} blocks of {single['block_bytes'] / 1e6:.0f} MB "
+        f"({result['args']['dtype']}, hidden {result['args']['hidden']}, {result['args']['heads']} heads, MLP 4x), "
+        f"batch 1, one transformer forward; median of {result['args']['repeats']} after "
+        f"{result['args']['warmup']} warm-up. Bound = max(1, H2D per block / compute per block) with the "
+        "H2D measured here from pinned memory.", "",
+        f"diffusers baseline: {single['diffusers']}", "",
+        "| tokens | resident ms | compute/block ms | H2D/block ms | bound | ours ms | ours/resident | "
+        "ours/bound | diffusers ms | diffusers/resident | ours/diffusers | ours peak GB | budget GB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in single["rows"]:
+        lines.append(
+            f"| {r['tokens']} | {r['resident_ms']:.2f} | {r['compute_per_block_ms']:.3f} | "
+            f"{r['h2d_per_block_ms']:.3f} | {r['bound_ratio']:.2f} | {r['ours_ms']:.2f} | "
+            f"{r['ours_ratio']:.2f} | {r['ours_vs_bound']:.2f} | "
+            f"{r.get('diffusers_ms', float('nan')):.2f} | {r.get('diffusers_ratio', float('nan')):.2f} | "
+            f"{r.get('ours_vs_diffusers', float('nan')):.2f} | {_gb(r.get('ours_peak_bytes'))} | "
+            f"{_gb(r.get('peak_budget_bytes'))} |"
+        )
+    dp = result.get("dp")
+    if dp and "ranks" in dp:
+        lines += ["", f"AllGather dp={dp['dp']} at {dp['tokens']} tokens:", "",
+                  "| rank | resident ms | AllGather ms | ratio | host bytes / block bytes | bitwise equal |",
+                  "|---|---|---|---|---|---|"]
+        for r in dp["ranks"]:
+            lines.append(f"| {r['rank']} | {r['resident_ms']:.2f} | {r['allgather_ms']:.2f} | "
+                         f"{r['ratio']:.2f} | {r['host_bytes_ratio']:.3f} | {r['bitwise_equal']} |")
+    elif dp:
+        lines += ["", f"AllGather: {dp.get('skipped')}"]
+    for name in result.get("timelines", []):
+        lines += ["", f"![timeline]({name})"]
+    md = RESULTS / f"offload_{tag}.md"
+    md.write_text("\n".join(lines) + "\n")
+    (RESULTS / f"offload_{tag}.json").write_text(json.dumps(result, indent=1, default=str))
+    return md
+
+
+def main(argv: list[str] | None = None) -> int:
+    cuda = torch.cuda.is_available()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if cuda else "cpu")
+    p.add_argument("--tokens", type=int, nargs="+", default=None)
+    p.add_argument("--num-blocks", type=int, default=None)
+    p.add_argument("--hidden", type=int, default=None)
+    p.add_argument("--heads", type=int, default=None)
+    p.add_argument("--in-channels", type=int, default=64)
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default=None)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--dp", type=int, default=0, help="also measure AllGather over this many ranks")
+    p.add_argument("--dp-tokens", type=int, default=None)
+    p.add_argument("--trace-tokens", type=int, default=None, help="token count for the timeline PNG")
+    p.add_argument("--tag", default=None)
+    p.add_argument("--threads", type=int, default=None, help="CPU intra-op threads (default: 1 on CPU)")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    gpu = device.type == "cuda"
+    args.tokens = args.tokens or ([1024, 4096, 16384] if gpu else [128, 512])
+    args.num_blocks = args.num_blocks or (16 if gpu else 6)
+    args.hidden = args.hidden or (3072 if gpu else 512)
+    args.heads = args.heads or (24 if gpu else 8)
+    args.dtype = args.dtype or ("bfloat16" if gpu else "float32")
+    args.dp_tokens = args.dp_tokens or (4096 if gpu else args.tokens[-1])
+    args.trace_tokens = args.trace_tokens if args.trace_tokens is not None else (4096 if gpu else args.tokens[0])
+    tag = args.tag or ("gpu" if gpu else "cpu")
+    if gpu:
+        torch.cuda.set_device(device)
+    else:
+        # One intra-op thread: OpenMP barriers on a shared, oversubscribed host turn 2-thread kernels
+        # into noise; the submission thread still overlaps copies with compute.
+        torch.set_num_threads(args.threads or 1)
+    result: dict[str, Any] = {
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "hardware": hardware(device), "args": vars(args),
+    }
+    result["single"] = measure_single(args, device, _DTYPES[args.dtype])
+    for r in result["single"]["rows"]:
+        print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
+    result["dp"] = measure_dp(args, device)
+    if result["dp"] and "ranks" in result["dp"]:
+        for r in result["dp"]["ranks"]:
+            print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v)
+                              for k, v in r.items() if k not in ("metrics", "trace")}), flush=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    timelines = []
+    trace = result["single"].pop("trace")
+    if trace and draw_timeline(trace, RESULTS / f"offload_{tag}_timeline.png",
+                               f"ours, no AllGather, {args.trace_tokens} tokens ({tag})"):
+        timelines.append(f"offload_{tag}_timeline.png")
+    if result["dp"] and "ranks" in result["dp"]:
+        dp_trace = result["dp"]["ranks"][0].pop("trace")
+        for r in result["dp"]["ranks"]:
+            r.pop("trace", None)
+        if dp_trace and draw_timeline(dp_trace, RESULTS / f"offload_{tag}_timeline_dp{args.dp}.png",
+                                      f"ours, AllGather dp={args.dp}, rank 0, {args.dp_tokens} tokens"):
+            timelines.append(f"offload_{tag}_timeline_dp{args.dp}.png")
+    result["timelines"] = timelines
+    md = write_report(result, tag)
+    print(f"hardware: {json.dumps(result['hardware'])}")
+    print(f"wrote {md}, {md.with_suffix('.json')}" + (f", {', '.join(timelines)}" if timelines else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""GPU checks (run on the device machine): bitwise equality on CUDA, no hot-path allocation or sync,
+peak memory within non-block weights + 2 slots + activations, pinned host storage, NCCL AllGather."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tests.offload import _workers
+from weight_sync.offload import OffloadConfig, enable_layerwise_offload, load_host_weights
+from weight_sync.testing import run_distributed
+from weight_sync.testing.dit import DiTConfig, SyntheticDiTPipeline
+
+DIT = DiTConfig(hidden=1024, heads=8, num_blocks=6, in_channels=64)
+
+
+def _cfg(**kw: object) -> OffloadConfig:
+    return OffloadConfig(enable_distributed_layerwise_offload=True, device="cuda", **kw)  # type: ignore[arg-type]
+
+
+def _pair() -> tuple[SyntheticDiTPipeline, SyntheticDiTPipeline]:
+    torch.manual_seed(0)
+    base = SyntheticDiTPipeline(DIT).to(torch.bfloat16).eval().requires_grad_(False)
+    return copy.deepcopy(base).cuda(), base  # resident on the GPU; the other stays on the host
+
+
+@pytest.mark.gpu
+def test_gpu_offloaded_bf16_output_is_bitwise_equal_to_resident_over_several_steps() -> None:
+    resident, off = _pair()
+    expected = resident.generate(tokens=512, num_inference_steps=4, seed=1)
+    with enable_layerwise_offload(off, _cfg()) as handle:
+        assert torch.equal(off.generate(tokens=512, num_inference_steps=4, seed=1), expected)
+        m = handle.metrics()
+    assert m["host_storage"] == "packed"
+    assert m["pinned_bytes"] >= m["block_bytes"]  # the arena really is page-locked
+    assert m["num_fallbacks"] == 0
+
+
+@pytest.mark.gpu
+def test_gpu_hot_path_neither_allocates_nor_synchronizes() -> None:
+    resident, off = _pair()
+    x = torch.randn(1, 1024, DIT.in_channels, device="cuda", dtype=torch.bfloat16)
+    t = torch.full((1,), 0.5, device="cuda")
+
+    def allocations(fn) -> int:  # type: ignore[no-untyped-def]
+        fn()  # warm-up (kernels, workspaces)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_stats()["allocation.all.allocated"]
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.memory_stats()["allocation.all.allocated"] - before
+
+    with torch.no_grad(), enable_layerwise_offload(off, _cfg()):
+        ours = allocations(lambda: off.transformer(x, t))
+        theirs = allocations(lambda: resident.transformer(x, t))
+        assert ours == theirs  # activations only: streaming adds no allocation
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            off.transformer(x, t)  # raises if any hook blocks the CPU on the device
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.gpu
+def test_gpu_peak_memory_is_non_block_weights_plus_two_slots_plus_activations() -> None:
+    resident, off = _pair()
+    x = torch.randn(1, 2048, DIT.in_channels, device="cuda", dtype=torch.bfloat16)
+    t = torch.full((1,), 0.5, device="cuda")
+    with torch.no_grad():
+        resident.transformer(x, t)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        resident.transformer(x, t)
+        activations = torch.cuda.max_memory_allocated() - base
+    del resident
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    with torch.no_grad(), enable_layerwise_offload(off, _cfg()) as handle:
+        off.transformer(x, t)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        off.transformer(x, t)
+        peak = torch.cuda.max_memory_allocated() - before
+        m = handle.metrics()
+    block_ids = {id(p) for p in off.transformer.blocks.parameters()}
+    non_block = sum(p.numel() * p.element_size() for p in off.parameters() if id(p) not in block_ids)
+    assert peak <= non_block + 2 * m["slot_bytes"] + activations + (1 << 20)
+
+
+@pytest.mark.gpu
+def test_gpu_checkpoint_mmap_streams_pinned_in_place_or_staged(tmp_path: Path) -> None:
+    resident, _ = _pair()
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    save_file({k: v.contiguous().cpu() for k, v in resident.transformer.state_dict().items()},
+              str(ckpt / "model.safetensors"))
+    torch.manual_seed(5)
+    fresh = SyntheticDiTPipeline(DIT).to(torch.bfloat16).eval()
+    assert load_host_weights(fresh.transformer, ckpt, _cfg()).source == "checkpoint_mmap"
+    expected = resident.generate(tokens=256, num_inference_steps=3)
+    with enable_layerwise_offload(fresh, _cfg()) as handle:
+        assert torch.equal(fresh.generate(tokens=256, num_inference_steps=3), expected)
+        m = handle.metrics()
+    # Read-only registration needs driver support; without it the store stages (and says why).
+    assert m["host_storage"] in ("pinned_in_place", "staged")
+    if m["host_storage"] == "staged":
+        assert m["num_fallbacks"] == 1
+    else:
+        assert m["pinned_bytes"] == (ckpt / "model.safetensors").stat().st_size
+
+
+@pytest.mark.gpu
+def test_gpu_budget_zero_stages_through_two_pinned_buffers(tmp_path: Path) -> None:
+    resident, _ = _pair()
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    save_file({k: v.contiguous().cpu() for k, v in resident.transformer.state_dict().items()},
+              str(ckpt / "model.safetensors"))
+    fresh = SyntheticDiTPipeline(DIT).to(torch.bfloat16).eval()
+    load_host_weights(fresh.transformer, ckpt, _cfg())
+    expected = resident.generate(tokens=256, num_inference_steps=3)
+    with enable_layerwise_offload(fresh, _cfg(pin_in_place_budget_bytes=0)) as handle:
+        assert torch.equal(fresh.generate(tokens=256, num_inference_steps=3), expected)
+        assert handle.metrics()["host_storage"] == "staged"
+
+
+@pytest.mark.multi_gpu
+def test_nccl_allgather_dp2_output_is_bitwise_equal_to_resident() -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    dit = {"hidden": 1024, "heads": 8, "num_blocks": 5, "in_channels": 16}
+    results = run_distributed(_workers.allgather_equal, 2, dit, {"device": "cuda"}, 3, backend="nccl")
+    for r in results:
+        assert r["equal"] and r["equal_after_disable"]
+        m = r["metrics"]
+        assert m["gather_group_size"] == 2 and m["num_gathers"] >= 15
+        assert m["host_bytes"] <= 0.55 * m["block_bytes"]
+        assert m["pinned_bytes"] > 0
