@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from weight_sync.errors import LayoutMismatchError, WeightSyncError
+from weight_sync.layers.blocks import block_key
 from weight_sync.layers.meta import install_tensor, rematerialize
 from weight_sync.manifest import TensorMeta
 from weight_sync.reload.state import LayerInfo, ModelState, model_load_weights
@@ -57,6 +58,11 @@ class KeyPlan:
     layers: tuple[str, ...]
     ops: tuple[CopyOp, ...] = ()
 
+    @property
+    def floating(self) -> bool:
+        """True when the destination is a floating-point weight (integer data cannot stand for it)."""
+        return self.mode != "ignored" and self.dtype.is_floating_point
+
 
 @dataclass(slots=True)
 class Plan:
@@ -76,7 +82,7 @@ class Plan:
 
 
 @contextlib.contextmanager
-def swapped_tensors(state: ModelState, layers: Iterable[LayerInfo]) -> Iterator[dict[int, tuple[str, str]]]:
+def swapped_tensors(layers: Iterable[LayerInfo]) -> Iterator[dict[int, tuple[str, str]]]:
     """Install meta model-format tensors on ``layers``; yield storage id -> (layer, tensor); restore."""
     saved: list[tuple[nn.Module, dict, dict, dict]] = []
     storages: dict[int, tuple[str, str]] = {}
@@ -179,16 +185,47 @@ def plan_keys(
 
     A key with a problem (unknown name, wrong shape, integer data for a float weight) has no plan. The
     model is untouched: loaders only ever see meta tensors.
+
+    Swapping a layer to meta costs time, so a few keys are planned against the layers of their own
+    block plus the un-indexed layers (embeddings, norms, heads); a loader that writes elsewhere fails
+    on the real tensor it meets (a copy from meta raises before writing), and its key is re-planned
+    against every layer.
     """
     metas = list(metas)
+    if not metas:
+        return [], {}
+    layers = list(state.layers.values())
+    if len(metas) * 2 >= len(layers):
+        return _dry_run(model, layers, metas)
+    outside = [i for i in layers if i.block.startswith("<")]
+    by_block: dict[str, list[TensorMeta]] = {}
+    for m in metas:
+        by_block.setdefault(block_key(m.name).name, []).append(m)
     plans: list[KeyPlan] = []
     problems: dict[str, WeightSyncError] = {}
-    if not metas:
-        return plans, problems
+    for block, group in by_block.items():
+        candidates = [i for i in layers if i.block == block] + (
+            [] if block.startswith("<") else outside
+        )
+        got, bad = _dry_run(model, candidates, group)
+        plans.extend(got)
+        if bad:
+            retry, still_bad = _dry_run(model, layers, [m for m in group if m.name in bad])
+            plans.extend(retry)
+            problems.update(still_bad)
+    return plans, problems
+
+
+def _dry_run(
+    model: nn.Module, layers: list[LayerInfo], metas: list[TensorMeta]
+) -> tuple[list[KeyPlan], dict[str, WeightSyncError]]:
+    """Run ``load_weights`` on meta tensors with ``layers`` swapped to meta, recording the copies."""
+    plans: list[KeyPlan] = []
+    problems: dict[str, WeightSyncError] = {}
     load = model_load_weights(model)
-    with swapped_tensors(state, state.layers.values()) as storages:
+    with swapped_tensors(layers) as storages:
         bases = {}
-        for info in state.layers.values():
+        for info in layers:
             for name in info.records:
                 t = info.module._parameters.get(name)
                 if t is None:
@@ -221,7 +258,8 @@ def plan_keys(
                 bad = current[-1] if current else pending[0]
                 problems[bad.name] = e
                 pending = pending[len(current) or 1 :]
-            except (RuntimeError, ValueError, IndexError, KeyError, AssertionError) as e:
+            except (RuntimeError, ValueError, IndexError, KeyError, AssertionError,
+                    NotImplementedError, TypeError) as e:
                 bad = current[-1] if current else pending[0]
                 problems[bad.name] = LayoutMismatchError(
                     f"{bad.name}: the model's loader rejected {bad.shape} "
@@ -243,7 +281,7 @@ def _finish(meta: TensorMeta, rec: _Recorder) -> KeyPlan:
         mode = "ignored"
     return KeyPlan(
         name=meta.name,
-        shape=tuple(meta.shape),
+        shape=torch.Size(meta.shape),
         dtype=meta.dtype,
         mode=mode,
         layers=layers,

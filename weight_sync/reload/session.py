@@ -32,6 +32,7 @@ from weight_sync.errors import (
     IncompleteUpdateError,
     LayoutMismatchError,
     ManifestError,
+    PointerChangedError,
     UpdateStateError,
     WeightSyncError,
 )
@@ -116,7 +117,6 @@ class UpdateSession:
         self._snapshots: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         # (module, initial attribute names, processor-created attributes before this update), for rollback.
         self._attr_snapshots: list[tuple[nn.Module, frozenset[str], dict[str, Any]]] = []
-        self._direct_done: set[str] = set()
         self._processed_done: list[str] = []
         self._first_processed: list[LayerInfo] = []
         self._buffered = 0
@@ -136,6 +136,9 @@ class UpdateSession:
             else set(state.reference.names) if state.reference is not None else None
         )
         self._before = signatures(model)
+        if state.last_signatures != self._before:
+            state.views.clear()  # something moved since the last update: cached views may be stale
+        self._views = state.views
         self._seconds["plan"] = time.perf_counter() - t0
         state.active = self
 
@@ -216,9 +219,11 @@ class UpdateSession:
         self._require_open()
         try:
             # Parameters may require grad (a trainer-side model); writes into them are not autograd ops.
+            t0 = time.perf_counter()
             with torch.no_grad():
                 for name, tensor in named_tensors:
                     self._load_one(name, tensor)
+            self._seconds["load"] += time.perf_counter() - t0
         except BaseException as e:
             self._fail(e)
             raise
@@ -235,29 +240,46 @@ class UpdateSession:
         return kp
 
     def _load_one(self, name: str, tensor: torch.Tensor) -> None:
-        t0 = time.perf_counter()
-        if not isinstance(tensor, torch.Tensor):
-            raise LayoutMismatchError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
         if name in self._arrived:
             raise DuplicateTensorError(f"{name}: arrived twice in update {self.version!r}")
+        if not isinstance(tensor, torch.Tensor):
+            raise LayoutMismatchError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
         if self.manifest is not None:
-            if name not in self.manifest:
-                raise ManifestError(f"{name}: was not announced in the manifest of update {self.version!r}")
-            m = self.manifest[name]
-            if tuple(tensor.shape) != m.shape or tensor.dtype != m.dtype:
-                raise ManifestError(
-                    f"{name}: manifest announced {_fmt(m.shape, m.dtype)}, "
-                    f"got {_fmt(tuple(tensor.shape), tensor.dtype)}"
-                )
-        kp = self._key_plan(name, tensor)
-        msg = self._check_against_plan(kp, tuple(tensor.shape), tensor.dtype)
-        if msg:
-            raise LayoutMismatchError(msg)
+            self._check_announced(name, tensor)
+        kp = self.plan.keys.get(name) or self._key_plan(name, tensor)
+        if tensor.shape != kp.shape or (kp.floating and not tensor.dtype.is_floating_point):
+            msg = self._check_against_plan(kp, tuple(tensor.shape), tensor.dtype)
+            if msg:
+                raise LayoutMismatchError(msg)
         self._arrived.add(name)
-        self._num_bytes += tensor.numel() * tensor.element_size()
+        self._num_bytes += tensor.nbytes
+        views = self._views.get(name)
+        if views is not None:
+            # Hot path: a planned key into direct layers, destinations precomputed as views of live
+            # storage (valid while pointers are unchanged, which every update verifies).
+            for layer in kp.layers:
+                if layer not in self._touched:
+                    self._prepare(layer)
+            for dst, op in views:
+                dst.copy_(tensor if op.src_whole else _src_view(op, tensor))
+            self._replayed += 1
+            return
+        self._load_general(name, tensor, kp)
+
+    def _check_announced(self, name: str, tensor: torch.Tensor) -> None:
+        assert self.manifest is not None
+        if name not in self.manifest:
+            raise ManifestError(f"{name}: was not announced in the manifest of update {self.version!r}")
+        m = self.manifest[name]
+        if tensor.shape != m.shape or tensor.dtype != m.dtype:
+            raise ManifestError(
+                f"{name}: manifest announced {_fmt(m.shape, m.dtype)}, "
+                f"got {_fmt(tuple(tensor.shape), tensor.dtype)}"
+            )
+
+    def _load_general(self, name: str, tensor: torch.Tensor, kp: KeyPlan) -> None:
         if kp.mode == "ignored":
             self._ignored.append(name)
-            self._seconds["load"] += time.perf_counter() - t0
             return
         for layer in kp.layers:
             self._prepare(layer)
@@ -265,13 +287,19 @@ class UpdateSession:
             src = tensor
             if not src.is_contiguous() and not all(op.src_whole for op in kp.ops):
                 src = src.contiguous()
+            direct = all(layer not in self._open for layer in kp.layers)
+            views = []
             for op in kp.ops:
-                self._copy(op, src)
+                base = self._target(op)
+                dst = base.as_strided(op.dst_size, op.dst_stride, base.storage_offset() + op.dst_offset)
+                dst.copy_(src if op.src_whole else _src_view(op, src))
+                views.append((dst, op))
+            if direct and src is tensor:
+                self._views[name] = views
             self._replayed += 1
         else:
             model_load_weights(self.model)([(name, tensor)])
             self._via_loader += 1
-        self._seconds["load"] += time.perf_counter() - t0
         for layer in kp.layers:
             ol = self._open.get(layer)
             if ol is not None:
@@ -279,8 +307,6 @@ class UpdateSession:
                 ol.keys_seen.add(name)
                 if not ol.remaining and self.expected is not None:
                     self._complete(ol)
-            else:
-                self._direct_done.add(layer)
 
     def _target(self, op: CopyOp) -> torch.Tensor:
         ol = self._open.get(op.layer)
@@ -289,13 +315,6 @@ class UpdateSession:
         mod = self.state.layers[op.layer].module
         t = mod._parameters.get(op.tensor)
         return t if t is not None else mod._buffers[op.tensor]
-
-    def _copy(self, op: CopyOp, src: torch.Tensor) -> None:
-        base = self._target(op)
-        dst = base.as_strided(op.dst_size, op.dst_stride, base.storage_offset() + op.dst_offset)
-        if not op.src_whole:
-            src = src.as_strided(op.src_size, op.src_stride, src.storage_offset() + op.src_offset)
-        dst.copy_(src)
 
     def _prepare(self, layer: str) -> None:
         """Make ``layer`` ready to receive data: snapshot (rollback) a direct layer, open a processed one."""
@@ -489,7 +508,11 @@ class UpdateSession:
             if self._first_processed:
                 fresh = tuple(f"{i.name}." if i.name else "" for i in self._first_processed)
                 before = {k: v for k, v in before.items() if not k.startswith(fresh)}
-            verify_signatures(self.model, before)
+            try:
+                verify_signatures(self.model, before)
+            except PointerChangedError:
+                self.state.views.clear()
+                raise
             t2 = time.perf_counter()
         except BaseException as e:
             self._fail(e)
@@ -497,6 +520,7 @@ class UpdateSession:
         partial = bool(missing)
         for info in self._first_processed:
             info.processed = True
+        self.state.last_signatures = signatures(self.model) if self._first_processed else self._before
         self._status = "finished"
         self.state.active = None
         if not partial:
@@ -520,7 +544,9 @@ class UpdateSession:
             version=self.version,
             num_tensors=len(self._arrived),
             num_bytes=self._num_bytes,
-            layers_direct=tuple(sorted(self._direct_done - processed)),
+            layers_direct=tuple(sorted(
+                {layer for n in self._arrived for layer in self.plan.keys[n].layers} - processed
+            )),
             layers_processed=tuple(self._processed_done),
             keys_replayed=self._replayed,
             keys_via_loader=self._via_loader,
@@ -588,3 +614,8 @@ def _model_device(model: nn.Module) -> torch.device:
         if t.device.type != "meta":
             return t.device
     return torch.device("cpu")
+
+
+def _src_view(op: CopyOp, src: torch.Tensor) -> torch.Tensor:
+    """The slice of the incoming (contiguous) tensor that ``op`` copies from."""
+    return src.as_strided(op.src_size, op.src_stride, src.storage_offset() + op.src_offset)

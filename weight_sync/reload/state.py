@@ -78,6 +78,10 @@ class ModelState:
     version: Any = None
     active: Any = None  # the open UpdateSession, if any
     post_update_hooks: list[Callable[[nn.Module], None]] = field(default_factory=list)
+    # Destination views of planned keys into direct layers, reused across updates while the
+    # signatures taken at the end of the last update still hold.
+    views: dict[str, list[Any]] = field(default_factory=dict)
+    last_signatures: dict[str, Any] = field(default_factory=dict)
 
     def largest_block_bytes(self) -> int:
         """Model-format bytes of the processed layers of the largest block (the default budget)."""
@@ -171,13 +175,22 @@ def get_state(model: nn.Module, *, create: bool = False) -> ModelState:
     return state
 
 
+def _lookup(model: nn.Module, name: str) -> Any:
+    """The parameter or buffer ``name`` as the model holds it *now* (O(depth), no full scan)."""
+    prefix, _, leaf = name.rpartition(".")
+    try:
+        mod = model.get_submodule(prefix) if prefix else model
+    except AttributeError:
+        return None
+    t = mod._parameters.get(leaf)
+    return t if t is not None else mod._buffers.get(leaf)
+
+
 def default_load_weights(model: nn.Module, weights: Iterable[tuple[str, Any]]) -> set[str]:
     """Loader for models without ``load_weights``: names are parameter/buffer names, loading is a copy."""
-    targets = dict(model.named_parameters(remove_duplicate=False))
-    targets.update(model.named_buffers(remove_duplicate=False))
     loaded = set()
     for name, tensor in weights:
-        dest = targets.get(name)
+        dest = _lookup(model, name)
         if dest is None:
             raise UnknownTensorError(f"{name}: {type(model).__name__} has no parameter or buffer of this name")
         loader = getattr(dest, "weight_loader", None)
