@@ -134,7 +134,7 @@ def _check_no_sharing(
             where[id(p.tensor)] = p.name
     prefixes = tuple(lay.name + "." for lay in layouts)
     for owner_path, owner in owners:
-        named = list(owner.named_parameters(remove_duplicate=False))
+        named: list[tuple[str, torch.Tensor]] = list(owner.named_parameters(remove_duplicate=False))
         named += list(owner.named_buffers(remove_duplicate=False))
         for name, t in named:
             qual = f"{owner_path}.{name}" if owner_path else name

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -94,7 +94,8 @@ class SyntheticDiT(nn.Module):
         self.proj_out = nn.Linear(c.hidden, c.in_channels)
 
     def forward(self, latents: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:
-        args = timestep.float()[:, None] * 1000.0 * self.time_freqs[None, :]
+        freqs = cast(torch.Tensor, self.time_freqs)
+        args = timestep.float()[:, None] * 1000.0 * freqs[None, :]
         temb = torch.cat([torch.cos(args), torch.sin(args)], dim=-1).to(latents.dtype)
         x = self.proj_in(latents) + self.time_embed(temb)[:, None, :]
         for block in self.blocks:
@@ -156,11 +157,11 @@ def tiny_flux_transformer(*, seed: int = 0, dtype: torch.dtype = torch.float32) 
     from diffusers import FluxTransformer2DModel
 
     torch.manual_seed(seed)
-    model = FluxTransformer2DModel(
+    model = cast(nn.Module, FluxTransformer2DModel(
         patch_size=1, in_channels=8, num_layers=2, num_single_layers=2, attention_head_dim=16,
         num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
         axes_dims_rope=(4, 4, 8),
-    )
+    ))
     return model.to(dtype).eval()
 
 
