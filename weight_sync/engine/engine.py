@@ -85,10 +85,62 @@ class ReferenceEngine:
         object; linear layers are quantized online while loading. ``tp_group``: a torch.distributed
         group to shard over (every rank calls this with the same arguments).
         """
-        from weight_sync.reload.api import record_metadata_for_reloading, reload_weights
+        from weight_sync.reload.api import reload_weights
 
         path = Path(path)
-        config = ModelConfig.from_pretrained(path)
+        engine = cls._build(
+            ModelConfig.from_pretrained(path), dtype=dtype, device=device, quantization=quantization,
+            tp_group=tp_group, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+            use_cuda_graph=use_cuda_graph,
+        )
+        engine.checkpoint_path = path
+        if load_weights:
+            engine.last_report = reload_weights(engine.model, weights_path=path, version="initial")
+        return engine
+
+    @classmethod
+    def from_config(
+        cls,
+        config: ModelConfig | dict[str, Any],
+        *,
+        weights: Iterable[tuple[str, torch.Tensor]] | None = None,
+        dtype: torch.dtype | None = None,
+        device: str | torch.device = "cpu",
+        quantization: object = None,
+        tp_group: dist.ProcessGroup | None = None,
+        max_batch_size: int = 8,
+        max_seq_len: int = 512,
+        use_cuda_graph: bool = True,
+    ) -> ReferenceEngine:
+        """Build from a config (an HF config dict or :class:`ModelConfig`) and load ``weights``.
+
+        ``weights`` is any iterable of checkpoint-format (name, tensor) pairs, e.g. generated on the
+        device by :func:`weight_sync.testing.random_weights`; without it the engine keeps its zero
+        weights (quantized layers stay unmaterialized) until the first update.
+        """
+        from weight_sync.manifest import Manifest
+        from weight_sync.reload.api import begin_update
+
+        if isinstance(config, dict):
+            config = ModelConfig.from_hf_dict(config)
+        engine = cls._build(
+            config, dtype=dtype, device=device, quantization=quantization, tp_group=tp_group,
+            max_batch_size=max_batch_size, max_seq_len=max_seq_len, use_cuda_graph=use_cuda_graph,
+        )
+        if weights is not None:
+            items = list(weights)
+            with begin_update(engine.model, Manifest.from_named_tensors(items), version="initial") as s:
+                s.load(items)
+            engine.last_report = s.report
+        return engine
+
+    @classmethod
+    def _build(
+        cls, config: ModelConfig, *, dtype, device, quantization, tp_group, max_batch_size,
+        max_seq_len, use_cuda_graph,
+    ) -> ReferenceEngine:
+        from weight_sync.reload.api import record_metadata_for_reloading
+
         if dtype is not None:
             config = ModelConfig(**{**config.to_dict(), "dtype": dtype})
         quant = resolve_quantization(quantization)
@@ -97,13 +149,10 @@ class ReferenceEngine:
             device = torch.device("cuda", torch.cuda.current_device())
         model = CausalLM(config, tp=TPInfo(tp_group), quantization=quant, device=device)
         record_metadata_for_reloading(model)
-        engine = cls(
-            model, device=device, checkpoint_path=path, quantization=quant,
-            max_batch_size=max_batch_size, max_seq_len=max_seq_len, use_cuda_graph=use_cuda_graph,
+        return cls(
+            model, device=device, quantization=quant, max_batch_size=max_batch_size,
+            max_seq_len=max_seq_len, use_cuda_graph=use_cuda_graph,
         )
-        if load_weights:
-            engine.last_report = reload_weights(model, weights_path=path, version="initial")
-        return engine
 
     # ------------------------------------------------------------------ weight updates
     def reload_weights(

@@ -1,0 +1,120 @@
+"""Shared benchmark plumbing: environment description, memory probes, timing, result files."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def environment() -> dict[str, Any]:
+    """Hardware and versions, stated in every result file."""
+    env: dict[str, Any] = {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+    }
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name(0)
+        env["gpus"] = torch.cuda.device_count()
+        env["cuda"] = torch.version.cuda
+    return env
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process (VmRSS)."""
+    return _status_kb("VmRSS") * 1024
+
+
+def _status_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+class PeakMemory:
+    """Peak extra memory of a region: CUDA max allocated on GPU, VmHWM growth on CPU.
+
+    On CPU the kernel's high-water mark is reset through /proc/self/clear_refs (Linux >= 4.0), so the
+    peak is the region's own, not the process's history.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.peak_extra_bytes = 0
+
+    def __enter__(self) -> PeakMemory:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+        else:
+            Path("/proc/self/clear_refs").write_text("5")
+            self._base = rss_bytes()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak_extra_bytes = torch.cuda.max_memory_allocated(self.device) - self._base
+        else:
+            self.peak_extra_bytes = max(0, _status_kb("VmHWM") * 1024 - self._base)
+
+
+def timed(fn: Callable[[], Any], device: torch.device, repeats: int, warmup: int = 1) -> list[float]:
+    """Wall seconds of ``fn`` per repeat (synchronized on CUDA), after ``warmup`` untimed runs."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def write_results(name: str, payload: dict[str, Any], markdown: str) -> tuple[Path, Path]:
+    """Write ``<name>.json`` and ``<name>.md`` under benchmarks/results/."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    j, m = RESULTS / f"{name}.json", RESULTS / f"{name}.md"
+    j.write_text(json.dumps(payload, indent=1, default=str))
+    m.write_text(markdown)
+    return j, m
+
+
+def env_markdown(env: dict[str, Any]) -> str:
+    lines = [f"- {k}: `{v}`" for k, v in env.items()]
+    return "\n".join(lines)
