@@ -3,9 +3,9 @@
 Pinned memory is what lets an H2D copy run asynchronously at full PCIe speed (55 GB/s measured, against
 7-9 GB/s pageable). Two ways to get it:
 
-* :func:`allocate_host` registers an ordinary host allocation with ``cudaHostRegister``; unlike
-  ``pin_memory=True`` (the caching host allocator rounds to a power of two) it pins exactly the bytes
-  asked for.
+* :func:`register_region` registers an ordinary host allocation (an arena, a staging buffer) with
+  ``cudaHostRegister``; unlike ``pin_memory=True`` (the caching host allocator rounds to a power of
+  two) it pins exactly the bytes asked for.
 * :class:`InPlacePins` registers read-only mmaps of checkpoint files in place under a byte budget,
   all or nothing, so shared page-cache pages feed H2D copies directly instead of being repacked per
   request. ``cudaHostRegisterReadOnly`` keeps the pin from write-faulting (and so privately copying)
@@ -30,13 +30,13 @@ __all__ = [
     "InPlacePins",
     "PinError",
     "PinnedRegion",
-    "allocate_host",
     "register_region",
 ]
 
 logger = logging.getLogger(__name__)
 
-_CUDA_HOST_REGISTER_DEFAULT = 0
+# Portable: pinned for every CUDA context of the process, not only the current device's.
+_CUDA_HOST_REGISTER_PORTABLE = 1
 _CUDA_HOST_REGISTER_READ_ONLY = 8
 
 
@@ -94,7 +94,7 @@ def register_region(t: torch.Tensor, *, device: torch.device, read_only: bool = 
     ptr, nbytes = storage.data_ptr(), storage.nbytes()
     if device.type != "cuda" or nbytes == 0:
         return PinnedRegion(ptr, nbytes, registered=False, _owner=t)
-    flags = _CUDA_HOST_REGISTER_READ_ONLY if read_only else _CUDA_HOST_REGISTER_DEFAULT
+    flags = _CUDA_HOST_REGISTER_PORTABLE | (_CUDA_HOST_REGISTER_READ_ONLY if read_only else 0)
     err = _err_code(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, flags))
     if err != 0:
         # A failed runtime call sets this thread's "last error"; torch checks that after every kernel
@@ -103,21 +103,6 @@ def register_region(t: torch.Tensor, *, device: torch.device, read_only: bool = 
         raise PinError(f"cudaHostRegister of {nbytes} bytes at {ptr:#x} (flags {flags}) failed "
                        f"with cudaError {err}")
     return PinnedRegion(ptr, nbytes, registered=True, _owner=t)
-
-
-def allocate_host(nbytes: int, *, device: torch.device, pinned: bool) -> tuple[torch.Tensor, PinnedRegion | None]:
-    """A zeroed flat uint8 host tensor of exactly ``nbytes``, page-locked when ``pinned``.
-
-    Raises :class:`PinError` if pinning fails (the memory is then released again).
-    """
-    t = torch.zeros(max(nbytes, 1), dtype=torch.uint8)
-    if not pinned:
-        return t, None
-    try:
-        return t, register_region(t, device=device)
-    except PinError:
-        del t
-        raise
 
 
 class InPlacePins:
