@@ -317,6 +317,22 @@ def draw_timeline(spans: list[dict[str, Any]], path: Path, title: str) -> bool:
     return True
 
 
+def draw_timelines(result: dict[str, Any], tag: str) -> list[str]:
+    """PNG timelines for the spans stored in ``result``; returns the file names written."""
+    args, spans, out = result["args"], result["timeline_spans"], []
+    if spans.get("single") and draw_timeline(
+        spans["single"], RESULTS / f"offload_{tag}_timeline.png",
+        f"ours, no AllGather, {args['trace_tokens']} tokens ({tag})",
+    ):
+        out.append(f"offload_{tag}_timeline.png")
+    if spans.get("dp") and draw_timeline(
+        spans["dp"], RESULTS / f"offload_{tag}_timeline_dp{args['dp']}.png",
+        f"ours, AllGather dp={args['dp']}, rank 0, {args['dp_tokens']} tokens ({tag})",
+    ):
+        out.append(f"offload_{tag}_timeline_dp{args['dp']}.png")
+    return out
+
+
 def _gb(n: int | None) -> str:
     return "-" if n is None else f"{n / 1e9:.2f}"
 
@@ -386,7 +402,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trace-tokens", type=int, default=None, help="token count for the timeline PNG")
     p.add_argument("--tag", default=None)
     p.add_argument("--threads", type=int, default=None, help="CPU intra-op threads (default: 1 on CPU)")
+    p.add_argument("--replot", default=None, metavar="JSON",
+                   help="only redraw the PNGs and markdown of an earlier results JSON")
     args = p.parse_args(argv)
+    if args.replot:
+        result = json.loads(Path(args.replot).read_text())
+        tag = Path(args.replot).stem.removeprefix("offload_")
+        result["timelines"] = draw_timelines(result, tag)
+        print(f"wrote {write_report(result, tag)}: {result['timelines']}")
+        return 0
     device = torch.device(args.device)
     gpu = device.type == "cuda"
     args.tokens = args.tokens or ([1024, 4096, 16384] if gpu else [128, 512])
@@ -417,18 +441,13 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v)
                               for k, v in r.items() if k not in ("metrics", "trace")}), flush=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    timelines = []
-    trace = result["single"].pop("trace")
-    if trace and draw_timeline(trace, RESULTS / f"offload_{tag}_timeline.png",
-                               f"ours, no AllGather, {args.trace_tokens} tokens ({tag})"):
-        timelines.append(f"offload_{tag}_timeline.png")
+    # Spans stay in the JSON so the PNGs can be redrawn where matplotlib exists (--replot).
+    result["timeline_spans"] = {"single": result["single"].pop("trace"), "dp": None}
     if result["dp"] and "ranks" in result["dp"]:
-        dp_trace = result["dp"]["ranks"][0].pop("trace")
+        result["timeline_spans"]["dp"] = result["dp"]["ranks"][0].get("trace")
         for r in result["dp"]["ranks"]:
             r.pop("trace", None)
-        if dp_trace and draw_timeline(dp_trace, RESULTS / f"offload_{tag}_timeline_dp{args.dp}.png",
-                                      f"ours, AllGather dp={args.dp}, rank 0, {args.dp_tokens} tokens"):
-            timelines.append(f"offload_{tag}_timeline_dp{args.dp}.png")
+    timelines = draw_timelines(result, tag)
     result["timelines"] = timelines
     md = write_report(result, tag)
     print(f"hardware: {json.dumps(result['hardware'])}")
