@@ -15,6 +15,7 @@ copies (on CPU they complete immediately).
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Sequence
 
 import torch
@@ -36,7 +37,7 @@ def _align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
-class HostStore:
+class HostStore(abc.ABC):
     """Where the host bytes of every block live; subclasses implement ``copy_block``."""
 
     kind = "abstract"
@@ -46,10 +47,11 @@ class HostStore:
         self.mapped_bytes = 0  # the part of host_bytes that is a shared file mapping
         self.pinned_bytes = 0  # page-locked bytes (registered; accounted on CPU too)
 
+    @abc.abstractmethod
     def copy_block(self, index: int, dst: torch.Tensor) -> int:
         """Enqueue the copy of block ``index``'s bytes (or this rank's shard) into ``dst``; return bytes."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def close(self) -> None:
         """Release pinned registrations (before the memory behind them goes away)."""
 
