@@ -16,10 +16,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trainers import CheckpointSource
 from weight_sync.engine import ReferenceEngine
 from weight_sync.reload import torn_reason
 from weight_sync.transport import TransportConfig, WeightReceiver, WeightSender
-from trainers import CheckpointSource
 
 
 def rss_bytes() -> int:
@@ -122,11 +122,11 @@ def faults_then_recovery(rank: int, world: int, backend: str, ckpt_a: str, ckpt_
         try:
             fn()
             outcomes.append((label, "ok"))
-        except Exception as e:  # noqa: BLE001 - the test compares the error classes of all ranks
+        except Exception as e:
             outcomes.append((label, type(e).__name__))
 
     if rank == 0:
-        # 1. a byte flipped on the wire in bucket 2 (receivers corrupt their copy)
+        # 1. a byte flipped on the wire in bucket 8 (receivers corrupt their copy)
         attempt("checksum", lambda: end.send(src, manifest, version=10))
         # 2. a manifest with a shape the engine cannot take
         bad = [m if m.name != "model.norm.weight" else type(m)(m.name, m.dtype, (m.shape[0] + 1,)) for m in manifest]
@@ -141,7 +141,7 @@ def faults_then_recovery(rank: int, world: int, backend: str, ckpt_a: str, ckpt_
         end.close()
         return {"outcomes": outcomes}
     before = engine.fingerprint()
-    _flip_byte_in_bucket(end, 2)
+    _flip_byte_in_bucket(end, 8)  # buckets 0-3 hold the split embedding; 8 is past block 0
     attempt("checksum", end.receive_update)
     after_checksum = (engine.fingerprint(), torn_reason(engine.model), end.weight_version)
     end._plane.wait = type(end._plane).wait.__get__(end._plane)  # stop corrupting
@@ -216,14 +216,14 @@ def engine_role(address: str, rank: int, ckpt_a: str, rollback: bool, results: A
             receiver.receive_update(timeout_s=60)
             results.put(("result", rank, {"error": None}))
             return
-        except Exception as e:  # noqa: BLE001 - reported to the parent
+        except Exception as e:
             raised_at = time.time()
             torn = torn_reason(engine.model)
             results.put(("result", rank, {
                 "error": type(e).__name__, "message": str(e), "raised_at": raised_at,
                 "rolled_back": engine.fingerprint() == before, "torn": torn is not None,
             }))
-    except BaseException as e:  # noqa: BLE001
+    except BaseException as e:
         results.put(("result", rank, {"error": f"setup: {type(e).__name__}: {e}"}))
 
 
@@ -245,6 +245,8 @@ def sender_role(backend: str, num_receivers: int, ckpt_b: str, timeout_s: float,
             if i == after_tensors:
                 results.put(("stopped", 0, time.time()))
                 if mode == "kill":
+                    results.close()
+                    results.join_thread()  # the queue's feeder thread must deliver before the kill
                     os.kill(os.getpid(), signal.SIGKILL)
                 threading.Event().wait()  # hang forever: the parent kills this process
             yield item

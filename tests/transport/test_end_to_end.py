@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from weight_sync.testing import run_distributed
 from tests.transport.harness import sync_end_to_end
+from weight_sync.testing import run_distributed
 
 
 @pytest.mark.parametrize("backend", ["gloo", "shm"])

@@ -82,7 +82,8 @@ def make_group(kind: str, store: dist.Store, prefix: str, rank: int, size: int, 
     """A gloo or NCCL group of ``size`` ranks on ``store`` under ``prefix`` (no default group needed)."""
     pstore = dist.PrefixStore(prefix, store)
     if kind == "gloo":
-        return dist.ProcessGroupGloo(pstore, rank, size, timedelta(seconds=timeout_s))
+        # Longer than our own deadline, so that our poll (which names phase and peer) fires first.
+        return dist.ProcessGroupGloo(pstore, rank, size, timedelta(seconds=1.5 * timeout_s + 1.0))
     if kind == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         # Our own polls time out first and abort the communicator; NCCL's watchdog is only a backstop
@@ -152,9 +153,12 @@ class Channel:
         try:
             work.wait()
         except Exception as e:
-            msg = f"[rank {self.rank}] {phase}: communication with {self.peers} failed: {e}"
+            # gloo reports its own deadline as an error; keep it a timeout for the caller.
+            timed_out = "timed out" in str(e).lower() or "timeout" in type(e).__name__.lower()
+            what = "timed out" if timed_out else "failed"
+            msg = f"[rank {self.rank}] {phase}: communication with {self.peers} {what}: {e}"
             self.fail(msg)
-            raise TransportError(msg) from e
+            raise (TransportTimeout if timed_out else TransportError)(msg) from e
 
     def guard(self, phase: str, fn: Callable[[], Any]) -> Any:
         """Issue a collective; an immediate failure breaks the channel like a failed wait."""

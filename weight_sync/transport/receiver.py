@@ -107,8 +107,8 @@ class WeightReceiver:
         self.connect_timeout_s = connect_timeout_s
         self.backend = backend
         self.params: WireParams | None = None
-        self.weight_version: Any = None
-        self.last_report: Any = None
+        self.last_report: Any = getattr(target, "last_report", None)
+        self.weight_version: Any = getattr(self.last_report, "version", None)
         self._state = "new"
         self._seq = 0
         self._session: Any = None

@@ -131,8 +131,9 @@ class WeightSender:
         assert self._store is not None
         return f"{self.config.host}:{self._store.port}"
 
-    def connect(self) -> list[Hello]:
-        """Wait for every receiver, build the groups, allocate and (ipc/shm) share the buffers once."""
+    def connect(self, timeout_s: float | None = None) -> list[Hello]:
+        """Wait for every receiver (up to ``timeout_s``, default max(wire timeout, 300 s): engines may take
+        minutes to start), build the groups, allocate and (ipc/shm) share the buffers once."""
         if self._state != "new":
             raise TransportError(f"connect() was already called (state {self._state})")
         if self._disk is not None:
@@ -141,13 +142,14 @@ class WeightSender:
         cfg, store = self.config, self._store
         assert store is not None
         keys = [f"{PREFIX}/hello/{r}" for r in range(1, self.world_size)]
+        wait_s = max(cfg.timeout_s, 300.0) if timeout_s is None else timeout_s
         try:
-            store.wait(keys, timedelta(seconds=cfg.timeout_s))
+            store.wait(keys, timedelta(seconds=wait_s))
         except Exception as e:
             arrived = [r for r in range(1, self.world_size) if store.check([f"{PREFIX}/hello/{r}"])]
             raise TransportError(
                 f"[rank 0] connect: expected {self.num_receivers} receivers at {self.address} within "
-                f"{cfg.timeout_s:.0f} s, got ranks {arrived}: {e}"
+                f"{wait_s:.0f} s, got ranks {arrived}: {e}"
             ) from e
         self.peers = [Hello.from_json(store.get(k)) for k in keys]
         device = torch.device(cfg.buffer_device())

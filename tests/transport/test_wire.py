@@ -1,0 +1,95 @@
+"""Wire records, checksums and configuration: JSON only, validated, errors that name the problem."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from weight_sync.errors import ConfigError, TransportError
+from weight_sync.manifest import tensor_checksum
+from weight_sync.transport import (
+    TransportConfig,
+    bucket_checksum,
+    checksum_value,
+    tensor_checksum_fast,
+)
+from weight_sync.transport.wire import (
+    STATUS_SLOT_BYTES,
+    ControlHeader,
+    Hello,
+    RankStatus,
+    WireParams,
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(words=st.integers(0, 3 * 65521 + 17), seed=st.integers(0, 2**31 - 1))
+def test_bucket_checksum_equals_the_manifest_checksum(words: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, 256, (4 * words,), dtype=torch.uint8, generator=g)
+    assert checksum_value(bucket_checksum(data), data.numel()) == tensor_checksum(data)
+
+
+@pytest.mark.parametrize("shape", [(0,), (1,), (3,), (7, 5), (65521 * 2 + 3,)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8, torch.float8_e4m3fn])
+def test_fast_tensor_checksum_equals_the_manifest_checksum(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    t = torch.randn(shape).to(dtype)
+    assert tensor_checksum_fast(t) == tensor_checksum(t)
+
+
+def test_a_flipped_byte_changes_the_bucket_checksum() -> None:
+    data = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8)
+    before = bucket_checksum(data).tolist()
+    data[12345] ^= 1
+    assert bucket_checksum(data).tolist() != before
+
+
+def test_records_round_trip_through_json() -> None:
+    params = WireParams(backend="gloo", bucket_bytes=1024, num_buffers=2, checksum=True, timeout_s=3.0,
+                        align_bytes=256, world_size=3)
+    assert WireParams.from_json(params.to_json()) == params
+    hello = Hello(rank=2, host="h", pid=7, device="cpu")
+    assert Hello.from_json(hello.to_json()) == hello
+    header = ControlHeader(kind="call", seq=4, call=2, first=3, count=5, num_buckets=6)
+    assert ControlHeader.from_json(header.to_json()) == header
+
+
+def test_a_record_from_another_protocol_version_is_refused() -> None:
+    raw = json.dumps({"kind": "start", "seq": 1, "protocol": 99})
+    with pytest.raises(TransportError, match="protocol 99"):
+        ControlHeader.from_json(raw)
+
+
+def test_a_record_missing_fields_names_them() -> None:
+    with pytest.raises(TransportError, match="seq"):
+        ControlHeader.from_json(json.dumps({"kind": "start"}))
+
+
+def test_a_long_status_message_is_truncated_to_valid_json() -> None:
+    status = RankStatus(rank=1, ok=False, phase="update_weights", error_type="X", message="m" * 50_000)
+    raw = status.to_bytes()
+    assert len(raw) <= STATUS_SLOT_BYTES
+    back = RankStatus.from_bytes(raw, 1)
+    assert not back.ok and back.message.endswith("(truncated)")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"backend": "tcp"}, "backend must be one of"),
+        ({"bucket_bytes": 1000}, "bucket_bytes must be"),
+        ({"bucket_bytes": 4096 + 1}, "multiple of 256"),
+        ({"num_buffers": 1}, r"num_buffers must be an int in \[2, 8\]"),
+        ({"timeout_s": 0}, "timeout_s must be a positive"),
+        ({"backend": "disk"}, "needs directory="),
+        ({"backend": "nccl", "device": "cpu"}, "needs a CUDA device"),
+        ({"backend": "shm", "device": "cuda:0"}, "keeps its buffers on the CPU"),
+    ],
+)
+def test_invalid_configs_name_the_field_and_the_value(kwargs: dict, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        TransportConfig(**kwargs)
