@@ -57,11 +57,11 @@ class KeyPlan:
     mode: KeyMode
     layers: tuple[str, ...]
     ops: tuple[CopyOp, ...] = ()
+    # True when the destination is a floating-point weight (integer data cannot stand for it).
+    floating: bool = field(init=False)
 
-    @property
-    def floating(self) -> bool:
-        """True when the destination is a floating-point weight (integer data cannot stand for it)."""
-        return self.mode != "ignored" and self.dtype.is_floating_point
+    def __post_init__(self) -> None:
+        self.floating = self.mode != "ignored" and self.dtype.is_floating_point
 
 
 @dataclass(slots=True)

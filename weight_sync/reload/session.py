@@ -135,6 +135,9 @@ class UpdateSession:
             set(manifest.names) if manifest is not None
             else set(state.reference.names) if state.reference is not None else None
         )
+        self._announced = (
+            None if manifest is None else {m.name: (torch.Size(m.shape), m.dtype) for m in manifest}
+        )
         self._before = signatures(model)
         if state.last_signatures != self._before:
             state.views.clear()  # something moved since the last update: cached views may be stale
@@ -244,19 +247,19 @@ class UpdateSession:
             raise DuplicateTensorError(f"{name}: arrived twice in update {self.version!r}")
         if not isinstance(tensor, torch.Tensor):
             raise LayoutMismatchError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
-        if self.manifest is not None:
-            self._check_announced(name, tensor)
-        kp = self.plan.keys.get(name) or self._key_plan(name, tensor)
-        if tensor.shape != kp.shape or (kp.floating and not tensor.dtype.is_floating_point):
-            msg = self._check_against_plan(kp, tuple(tensor.shape), tensor.dtype)
-            if msg:
-                raise LayoutMismatchError(msg)
-        self._arrived.add(name)
-        self._num_bytes += tensor.nbytes
-        views = self._views.get(name)
-        if views is not None:
+        if self._announced is not None:
+            announced = self._announced.get(name)
+            if announced is None or tensor.shape != announced[0] or tensor.dtype is not announced[1]:
+                self._check_announced(name, tensor)
+        fast = self._views.get(name)
+        if fast is not None:
             # Hot path: a planned key into direct layers, destinations precomputed as views of live
             # storage (valid while pointers are unchanged, which every update verifies).
+            kp, views = fast
+            if tensor.shape != kp.shape or (kp.floating and tensor.dtype not in _FLOATS):
+                raise LayoutMismatchError(self._check_against_plan(kp, tuple(tensor.shape), tensor.dtype))
+            self._arrived.add(name)
+            self._num_bytes += tensor.nbytes
             for layer in kp.layers:
                 if layer not in self._touched:
                     self._prepare(layer)
@@ -264,6 +267,12 @@ class UpdateSession:
                 dst.copy_(tensor if op.src_whole else _src_view(op, tensor))
             self._replayed += 1
             return
+        kp = self.plan.keys.get(name) or self._key_plan(name, tensor)
+        msg = self._check_against_plan(kp, tuple(tensor.shape), tensor.dtype)
+        if msg:
+            raise LayoutMismatchError(msg)
+        self._arrived.add(name)
+        self._num_bytes += tensor.nbytes
         self._load_general(name, tensor, kp)
 
     def _check_announced(self, name: str, tensor: torch.Tensor) -> None:
@@ -271,7 +280,7 @@ class UpdateSession:
         if name not in self.manifest:
             raise ManifestError(f"{name}: was not announced in the manifest of update {self.version!r}")
         m = self.manifest[name]
-        if tensor.shape != m.shape or tensor.dtype != m.dtype:
+        if tuple(tensor.shape) != m.shape or tensor.dtype != m.dtype:
             raise ManifestError(
                 f"{name}: manifest announced {_fmt(m.shape, m.dtype)}, "
                 f"got {_fmt(tuple(tensor.shape), tensor.dtype)}"
@@ -290,12 +299,19 @@ class UpdateSession:
             direct = all(layer not in self._open for layer in kp.layers)
             views = []
             for op in kp.ops:
-                base = self._target(op)
-                dst = base.as_strided(op.dst_size, op.dst_stride, base.storage_offset() + op.dst_offset)
+                # detach(): the cached destination carries no autograd metadata, so copies into it
+                # skip view/version tracking of the (possibly requires_grad) parameter.
+                base = self._target(op).detach()
+                if op.dst_offset == 0 and base.shape == op.dst_size and base.stride() == op.dst_stride:
+                    dst = base
+                else:
+                    dst = base.as_strided(
+                        op.dst_size, op.dst_stride, base.storage_offset() + op.dst_offset
+                    )
                 dst.copy_(src if op.src_whole else _src_view(op, src))
                 views.append((dst, op))
             if direct and src is tensor:
-                self._views[name] = views
+                self._views[name] = (kp, views)
             self._replayed += 1
         else:
             model_load_weights(self.model)([(name, tensor)])
@@ -614,6 +630,11 @@ def _model_device(model: nn.Module) -> torch.device:
         if t.device.type != "meta":
             return t.device
     return torch.device("cpu")
+
+
+_FLOATS = frozenset(
+    d for d in vars(torch).values() if isinstance(d, torch.dtype) and d.is_floating_point
+)
 
 
 def _src_view(op: CopyOp, src: torch.Tensor) -> torch.Tensor:
