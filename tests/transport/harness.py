@@ -7,6 +7,7 @@ engine's TP subgroup; the transport forms its own groups through the sender's st
 
 from __future__ import annotations
 
+import itertools
 import os
 import resource
 import time
@@ -73,7 +74,7 @@ def sync_end_to_end(rank: int, world: int, backend: str, ckpt_a: str, ckpt_b: st
             n = calls if version == 3 else 1
             cuts = [len(names) * i // n for i in range(n + 1)]
             tensors = iter(src)
-            for lo, hi in zip(cuts, cuts[1:]):
+            for lo, hi in itertools.pairwise(cuts):
                 part = [next(tensors) for _ in range(hi - lo)]
                 end.update_weights(part, names=names[lo:hi])
             reports.append(end.finish_weight_update())
@@ -185,7 +186,7 @@ def faults_then_recovery(rank: int, world: int, backend: str, ckpt_a: str, ckpt_
 
 def repeated_updates(rank: int, world: int, backend: str, ckpt_a: str, ckpt_b: str, num_updates: int) -> dict:
     """``num_updates`` consecutive updates alternating two checkpoints; engines sample RSS."""
-    end, engine, _ = connect_pair(rank, world, backend, ckpt_a, tp=False)
+    end, _engine, _ = connect_pair(rank, world, backend, ckpt_a, tp=False)
     sources = [CheckpointSource(ckpt_b), CheckpointSource(ckpt_a)]
     manifests = [s.manifest() for s in sources]
     if rank == 0:
@@ -204,10 +205,10 @@ def repeated_updates(rank: int, world: int, backend: str, ckpt_a: str, ckpt_b: s
 
 
 # ---------------------------------------------------------------------- sender death / hang
-def engine_role(address: str, rank: int, ckpt_a: str, rollback: bool, results: Any) -> None:
+def engine_role(address: str, rank: int, ckpt_a: str, rollback: bool, results: Any, device: str = "cpu") -> None:
     """An engine process waiting for one update from a sender that will die or hang mid-update."""
     try:
-        engine = ReferenceEngine.from_checkpoint(ckpt_a)
+        engine = ReferenceEngine.from_checkpoint(ckpt_a, device=device)
         before = engine.fingerprint()
         receiver = WeightReceiver(engine, address, rank, rollback=rollback)
         receiver.connect()
@@ -252,3 +253,49 @@ def sender_role(backend: str, num_receivers: int, ckpt_b: str, timeout_s: float,
             yield item
 
     sender.send(tensors(), src.manifest(), version=1)
+
+
+# ---------------------------------------------------------------------- GPU scenarios (device machine)
+def gpu_sync(rank: int, world: int, backend: str, ckpt_a: str, ckpt_b: str, quantization: Any, num_updates: int) -> dict:
+    """nccl: sender on cuda:0, engine ranks on cuda:rank. ipc: everyone on cuda:0. Reports memory too."""
+    device = "cuda:0" if backend == "ipc" else f"cuda:{rank}"
+    torch.cuda.set_device(device)
+    if rank == 0:
+        from weight_sync.transport import bucket_checksum
+
+        bucket_checksum(torch.zeros(4, dtype=torch.uint8, device=device))  # its per-device constants
+        torch.cuda.synchronize()
+        baseline = torch.cuda.memory_allocated()
+        sender = WeightSender(TransportConfig(backend=backend, bucket_bytes=1 << 20, timeout_s=60),
+                              num_receivers=world - 1)
+        _share_address(0, sender.address)
+        sender.connect()
+        src = CheckpointSource(ckpt_b)
+        weights = [(n, t.to(device)) for n, t in src]  # trainer weights live on the GPU
+        manifest = src.manifest()
+        torch.cuda.synchronize()
+        allocated = []
+        reports = []
+        for v in range(num_updates):
+            reports.append(sender.send(weights, manifest, version=v))
+            allocated.append(torch.cuda.memory_allocated())
+        del weights
+        sender.close()
+        dist.barrier()  # the receivers have closed (released their imports)
+        torch.cuda.ipc_collect()
+        torch.cuda.synchronize()
+        return {"fingerprints": [r.fingerprints for r in reports], "allocated": allocated,
+                "leftover": torch.cuda.memory_allocated() - baseline}
+    address = _share_address(rank, None)
+    engine = ReferenceEngine.from_checkpoint(ckpt_a, device=device, quantization=quantization)
+    receiver = WeightReceiver(engine, address, rank)
+    receiver.connect()
+    fps, allocated = [], []
+    for _ in range(num_updates):
+        fps.append(receiver.receive_update().fingerprint)
+        allocated.append(torch.cuda.memory_allocated())
+    fresh = ReferenceEngine.from_checkpoint(ckpt_b, device=device, quantization=quantization).fingerprint()
+    tokens = engine.generate([[5, 6, 7]], 4)
+    receiver.close()
+    dist.barrier()
+    return {"fingerprints": fps, "fresh": fresh, "allocated": allocated, "tokens": tokens}

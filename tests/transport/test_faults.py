@@ -49,22 +49,23 @@ def test_every_rank_raises_the_same_error_and_the_engines_roll_back_or_tear(
 
 
 def _run_sender_failure(mode: str, backend: str, qwen3_a: Path, qwen3_b: Path, timeout_s: float,
-                        rollback: bool) -> tuple[list[dict], float]:
+                        rollback: bool, engine_device: str = "cpu", num_receivers: int = 2) -> tuple[list[dict], float]:
     ctx = mp.get_context("spawn")
     results, addresses = ctx.Queue(), ctx.Queue()
-    sender = ctx.Process(target=sender_role, args=(backend, 2, str(qwen3_b), timeout_s, mode, 7, addresses, results),
+    sender = ctx.Process(target=sender_role, args=(backend, num_receivers, str(qwen3_b), timeout_s, mode, 7, addresses, results),
                          daemon=True)
     sender.start()
     engines = []
     try:
-        for rank in (1, 2):
+        for rank in range(1, num_receivers + 1):
             address = addresses.get(timeout=120)
-            p = ctx.Process(target=engine_role, args=(address, rank, str(qwen3_a), rollback, results), daemon=True)
+            p = ctx.Process(target=engine_role, args=(address, rank, str(qwen3_a), rollback, results, engine_device),
+                            daemon=True)
             p.start()
             engines.append(p)
         stopped_at, outcomes = None, {}
         deadline = time.monotonic() + 240
-        while len(outcomes) < 2 and time.monotonic() < deadline:
+        while len(outcomes) < num_receivers and time.monotonic() < deadline:
             try:
                 kind, rank, payload = results.get(timeout=5)
             except queue.Empty:
@@ -73,9 +74,9 @@ def _run_sender_failure(mode: str, backend: str, qwen3_a: Path, qwen3_b: Path, t
                 stopped_at = payload
             elif kind == "result":
                 outcomes[rank] = payload
-        assert len(outcomes) == 2, f"receivers did not report: {outcomes}"
+        assert len(outcomes) == num_receivers, f"receivers did not report: {outcomes}"
         assert stopped_at is not None
-        return [outcomes[1], outcomes[2]], stopped_at
+        return [outcomes[r] for r in range(1, num_receivers + 1)], stopped_at
     finally:
         for p in [sender, *engines]:
             if p.is_alive():

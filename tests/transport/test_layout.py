@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -44,7 +46,7 @@ def test_layout_covers_every_byte_once_aligned_and_within_the_bucket(num_blocks:
     for i, m in enumerate(metas):
         parts = covered[i]
         assert parts[0][0] == 0 and sum(n for _, n in parts) == m.nbytes
-        assert all(a + n == b for (a, n), (b, _) in zip(parts, parts[1:])), "segments continue in order"
+        assert all(a + n == b for (a, n), (b, _) in itertools.pairwise(parts)), "segments continue in order"
     # Deterministic: both ends compute the same layout.
     assert plan_buckets(metas, bucket_bytes, ALIGN_BYTES).digest() == layout.digest()
 
