@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# GPU tests and GPU benchmarks, run on the device machine (H200, torch 2.11 + CUDA 13, no install).
+#
+#   bash scripts/gpu_check.sh [limits] [tests] [reload] [offload] [transport] [multi]   (default: all)
+#
+# Logs go to ./gpu_out; benchmark JSON/markdown/PNG go to benchmarks/results/. When $OUT is set (the
+# device tool's output folder, which returns at most 8 files) both are packed into $OUT/gpu_results.tgz. Pure-Python wheels the machine lacks (diffusers)
+# travel in .whl/ (see docs/benchmarks.md) and are installed into /tmp/site, never into the image.
+set -u
+cd "$(dirname "$0")/.."
+LOGS=$PWD/gpu_out
+mkdir -p "$LOGS"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# NVLink multicast stays off on shared hosts (the device tool's rule).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+phases=("$@")
+[ ${#phases[@]} -eq 0 ] && phases=(limits tests reload offload transport multi)
+status=0
+
+step() {  # step NAME TIMEOUT_S CMD...: run, log to $OUT/NAME.log, print the tail
+  local name=$1 limit=$2; shift 2
+  echo "=== $name: $*"
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1
+  local rc=$?
+  echo "=== $name: rc=$rc in $((SECONDS - t0)) s"
+  tail -n "${TAIL:-12}" "$LOGS/$name.log"
+  [ $rc -eq 0 ] || status=1
+}
+
+for phase in "${phases[@]}"; do
+  case $phase in
+    limits)
+      if [ -f .shared_tools/gpu_limits.py ]; then
+        step limits_single 300 python3 .shared_tools/gpu_limits.py single
+        [ "$NGPU" -ge 2 ] && step limits_nccl 300 python3 .shared_tools/gpu_limits.py nccl
+      fi ;;
+    tests)
+      step tests_gpu 900 python3 -m pytest tests -m "gpu or multi_gpu" -q -p no:cacheprovider -rs ;;
+    reload)
+      step bench_reload_0.6b 600 python3 benchmarks/bench_reload.py --device cuda --preset qwen3-0.6b --tag h200_qwen3-0.6b --repeats 5
+      step bench_reload_8b 900 python3 benchmarks/bench_reload.py --device cuda --preset qwen3-8b --tag h200_qwen3-8b --repeats 3 --small-layers 2000 ;;
+    offload)
+      step bench_offload 900 python3 benchmarks/bench_offload.py --tag h200
+      step offload_demo 600 python3 -m weight_sync.cli offload-demo --device cuda --verify --dlo-no-use-allgather \
+        --num-blocks 16 --hidden 3072 --heads 24 --in-channels 64 --tokens 4096 --steps 2 --dtype bfloat16 ;;
+    transport)
+      if [ -f benchmarks/bench_transport.py ] && [ "$NGPU" -ge 2 ]; then
+        step bench_transport 900 python3 benchmarks/bench_transport.py --tag h200x2
+      fi ;;
+    multi)
+      if [ "$NGPU" -ge 2 ]; then
+        step bench_offload_dp2 900 python3 benchmarks/bench_offload.py --dp 2 --tag h200x2
+        step offload_demo_dp2 600 python3 -m weight_sync.cli offload-demo --device cuda --verify \
+          --enable-distributed-layerwise-offload --data-parallel-size 2 --num-blocks 16 --hidden 3072 \
+          --heads 24 --in-channels 64 --tokens 4096 --steps 2 --dtype bfloat16
+      fi ;;
+    *) echo "unknown phase $phase"; status=2 ;;
+  esac
+done
+if [ -n "${OUT:-}" ]; then
+  tar czf "$OUT/gpu_results.tgz" gpu_out $(ls benchmarks/results/*h200* 2>/dev/null)
+fi
+exit $status
