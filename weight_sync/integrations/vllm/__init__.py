@@ -21,6 +21,14 @@ Limitations:
   with the package); ``engine_kwargs`` installs them in the calling process.
 """
 
+from weight_sync.integrations.vllm.clients import (
+    AsyncLLMControl,
+    EngineControl,
+    HTTPControl,
+    LLMControl,
+    RayControl,
+    WeightSyncClient,
+)
 from weight_sync.integrations.vllm.engine_args import (
     TRANSFER_BACKEND,
     engine_cli_args,
@@ -34,9 +42,17 @@ from weight_sync.integrations.vllm.handoff import (
     share_weights,
 )
 from weight_sync.integrations.vllm.options import WeightSyncOptions
+from weight_sync.integrations.vllm.rollout import VLLMRolloutWorker
 
 __all__ = [
     "TRANSFER_BACKEND",
+    "AsyncLLMControl",
+    "EngineControl",
+    "HTTPControl",
+    "LLMControl",
+    "RayControl",
+    "VLLMRolloutWorker",
+    "WeightSyncClient",
     "WeightSyncOptions",
     "WeightsHandoff",
     "engine_cli_args",

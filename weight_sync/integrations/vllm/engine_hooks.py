@@ -12,7 +12,11 @@ call arguments. Three small wrappers, installed once per process by the plugin (
     half-written weights; queued requests wait). After a failed update: ask the workers whether the model
     is torn; if so, abort in-flight requests and refuse new ones until a complete update succeeds.
 ``EngineCore.preprocess_add_request``
-    Refuses requests (naming the failed update) while the engine is torn.
+    Refuses requests (naming the failed update) while the engine is torn: in a multiprocess engine each
+    refused request finishes with an error.
+``LLMEngine.add_request``
+    The same refusal for an in-process engine core, raised before the request is registered with the
+    output processor (a refusal after it would leave the request pending forever in ``LLM.generate``).
 ``SyncMPClient.collective_rpc`` / ``AsyncMPClient.collective_rpc_async``
     A ``reload_weights`` call whose ``weights_iterator`` is tensors is spooled through
     :mod:`~weight_sync.integrations.vllm.handoff`, so it reaches worker processes without pickle.
@@ -26,7 +30,7 @@ import logging
 from typing import Any
 
 from weight_sync.errors import TornModelError
-from weight_sync.integrations.vllm.handoff import is_handoff, share_weights
+from weight_sync.integrations.vllm.handoff import as_handle, share_weights
 from weight_sync.integrations.vllm.options import WeightSyncOptions
 
 __all__ = ["install_engine_hooks"]
@@ -52,11 +56,13 @@ def install_engine_hooks() -> None:
         return
     from vllm.v1.engine.core import EngineCore
     from vllm.v1.engine.core_client import AsyncMPClient, SyncMPClient
+    from vllm.v1.engine.llm_engine import LLMEngine
 
     EngineCore.collective_rpc = _wrap_core_rpc(EngineCore.collective_rpc)  # type: ignore[method-assign]
     EngineCore.preprocess_add_request = _wrap_add_request(  # type: ignore[method-assign]
         EngineCore.preprocess_add_request
     )
+    LLMEngine.add_request = _wrap_llm_engine_add(LLMEngine.add_request)  # type: ignore[method-assign]
     SyncMPClient.collective_rpc = _wrap_sync_client(SyncMPClient.collective_rpc)  # type: ignore[method-assign]
     AsyncMPClient.collective_rpc_async = _wrap_async_client(  # type: ignore[method-assign]
         AsyncMPClient.collective_rpc_async
@@ -135,25 +141,42 @@ def _after_failure(core: Any, rpc: Any, method: str) -> None:
     log.error("weight_sync: the model is torn (%s); refusing requests until a complete update", torn)
 
 
+def _refuse_if_torn(core: Any, request_id: Any) -> None:
+    torn = getattr(core, "_ws_torn", None)
+    if torn:
+        raise TornModelError(
+            f"request {request_id} refused: {torn}; the engine serves again after a complete weight "
+            "update succeeds"
+        )
+
+
 def _wrap_add_request(original: Any) -> Any:
     @functools.wraps(original)
     def preprocess_add_request(self: Any, request: Any) -> Any:
-        torn = getattr(self, "_ws_torn", None)
-        if torn:
-            raise TornModelError(
-                f"request {request.request_id} refused: {torn}; the engine serves again after a "
-                "complete weight update succeeds"
-            )
+        _refuse_if_torn(self, request.request_id)
         return original(self, request)
 
     return preprocess_add_request
+
+
+def _wrap_llm_engine_add(original: Any) -> Any:
+    @functools.wraps(original)
+    def add_request(self: Any, request_id: Any, *args: Any, **kwargs: Any) -> Any:
+        # Only an in-process client holds the engine core itself; multiprocess engines refuse in
+        # preprocess_add_request, which reports the refusal through the request's output.
+        core = getattr(getattr(self, "engine_core", None), "engine_core", None)
+        if core is not None:
+            _refuse_if_torn(core, request_id)
+        return original(self, request_id, *args, **kwargs)
+
+    return add_request
 
 
 # ---------------------------------------------------------------------- clients
 def _needs_spool(client: Any, method: Any, kwargs: dict[str, Any] | None) -> WeightSyncOptions | None:
     if method != "reload_weights" or not kwargs or kwargs.get("weights_iterator") is None:
         return None
-    if is_handoff(kwargs["weights_iterator"]):
+    if as_handle(kwargs["weights_iterator"]) is not None:
         return None
     return _options(client.vllm_config)
 

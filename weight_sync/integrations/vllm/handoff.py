@@ -35,6 +35,7 @@ from weight_sync.manifest import Manifest, TensorMeta, dtype_from_str, dtype_to_
 __all__ = [
     "HANDLE_KEY",
     "WeightsHandoff",
+    "as_handle",
     "is_handoff",
     "open_handoff",
     "share_weights",
@@ -163,6 +164,19 @@ def is_handoff(obj: Any) -> bool:
     return isinstance(obj, dict) and set(obj) == {HANDLE_KEY} and isinstance(obj[HANDLE_KEY], str)
 
 
+def as_handle(obj: Any) -> dict[str, str] | None:
+    """``obj`` as a handle if it is one, or its JSON text (HTTP routes pass strings); else None."""
+    if is_handoff(obj):
+        return obj
+    if isinstance(obj, str) and obj.lstrip().startswith("{"):
+        try:
+            parsed = json.loads(obj)
+        except json.JSONDecodeError:
+            return None
+        return parsed if is_handoff(parsed) else None
+    return None
+
+
 class HandoffReader:
     """The receiving side of a spool: its manifest and an iterator of zero-copy read-only views."""
 
@@ -190,9 +204,11 @@ class HandoffReader:
 
 
 def open_handoff(handle: Any) -> HandoffReader:
-    """Open the spool a handle names; raises :class:`ManifestError` naming what is wrong with it."""
-    if not is_handoff(handle):
+    """Open the spool a handle (or its JSON text) names; raises :class:`ManifestError` naming the problem."""
+    parsed = as_handle(handle)
+    if parsed is None:
         raise ManifestError(f"not a weight_sync handoff handle: {handle!r}")
+    handle = parsed
     path = Path(handle[HANDLE_KEY])
     if not path.is_absolute() or not path.name.startswith(_PREFIX):
         raise ManifestError(f"handoff path {str(path)!r} is not an absolute {_PREFIX}* directory")

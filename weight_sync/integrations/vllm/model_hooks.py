@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -40,7 +41,9 @@ from weight_sync.reload import (
 
 __all__ = [
     "kernel_fingerprint",
+    "last_report",
     "prepare_loaded_model",
+    "record_report",
     "recording_model_format",
 ]
 
@@ -202,3 +205,17 @@ def kernel_fingerprint(model: nn.Module) -> str:
         h.update(repr(tuple(t.shape)).encode())
         h.update(tensor_checksum(t).to_bytes(8, "little", signed=False))
     return h.hexdigest()
+
+
+# The last committed update's report per model, whichever path (reload RPC or transfer) committed it.
+_LAST_REPORTS: weakref.WeakKeyDictionary[nn.Module, dict[str, Any]] = weakref.WeakKeyDictionary()
+
+
+def record_report(model: nn.Module, report: dict[str, Any]) -> None:
+    """Remember ``report`` (JSON-able) as the last committed update of ``model``."""
+    _LAST_REPORTS[model] = report
+
+
+def last_report(model: nn.Module) -> dict[str, Any] | None:
+    """The last committed update's report of ``model``, or None before the first update."""
+    return _LAST_REPORTS.get(model)

@@ -25,10 +25,12 @@ from torch import nn
 
 import weight_sync
 from weight_sync.errors import ConfigError
-from weight_sync.integrations.vllm.handoff import is_handoff, open_handoff
+from weight_sync.integrations.vllm.handoff import as_handle, open_handoff
 from weight_sync.integrations.vllm.model_hooks import (
     kernel_fingerprint,
+    last_report,
     prepare_loaded_model,
+    record_report,
     recording_model_format,
 )
 from weight_sync.integrations.vllm.options import WeightSyncOptions
@@ -60,6 +62,11 @@ class WeightSyncWorkerMixin:
             from weight_sync.integrations.vllm.cpu_fp8 import install_cpu_fp8_fallback
 
             install_cpu_fp8_fallback()
+        # vLLM creates the weight-transfer backend inside load_model; make sure ours is registered in
+        # this process even where the plugin entry point is disabled.
+        from weight_sync.integrations.vllm.transfer import register_transfer_backend
+
+        register_transfer_backend()
         with recording_model_format(self.vllm_config) as built:
             super().load_model(*args, **kwargs)  # type: ignore[misc]
         model = self.get_model()  # type: ignore[attr-defined]
@@ -69,7 +76,6 @@ class WeightSyncWorkerMixin:
                 "loader bypassed record_metadata_for_reloading, so reloads cannot restore model format"
             )
         prepare_loaded_model(model, self.vllm_config)
-        self._ws_last_report: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ reload
     def reload_weights(
@@ -113,7 +119,7 @@ class WeightSyncWorkerMixin:
             if weights_iterator is None:
                 path = _local_checkpoint(weights_path or self.model_config.model)
                 report = weight_sync.reload_weights(model, weights_path=path, **update_opts)
-            elif is_handoff(weights_iterator):
+            elif as_handle(weights_iterator) is not None:
                 reader = open_handoff(weights_iterator)
                 report = weight_sync.reload_weights(
                     model, weights_iterator=reader, manifest=reader.manifest, **update_opts
@@ -135,7 +141,7 @@ class WeightSyncWorkerMixin:
         out = report.to_dict()
         want_fp = opts.fingerprint if fingerprint is None else fingerprint
         out["fingerprint"] = kernel_fingerprint(model) if want_fp else None
-        self._ws_last_report = out
+        record_report(model, out)
         log.info("[rank %d] weight_sync reload: %s", self.rank, report.summary())
         return out
 
@@ -147,18 +153,14 @@ class WeightSyncWorkerMixin:
             if callable(fn):
                 fn()
 
-    def ws_record_report(self, report: dict[str, Any]) -> None:
-        """Remember ``report`` as the last update's (used by the weight-transfer backend)."""
-        self._ws_last_report = report
-
     # ------------------------------------------------------------------ extension RPCs
     def ws_fingerprint(self) -> str:
         """Fingerprint of the model's kernel tensors (KV caches excluded)."""
         return kernel_fingerprint(self.get_model())  # type: ignore[attr-defined]
 
     def ws_last_report(self) -> dict[str, Any] | None:
-        """The report of the last successful weight_sync update on this worker, or None."""
-        return getattr(self, "_ws_last_report", None)
+        """The report of the last committed weight_sync update on this worker, or None."""
+        return last_report(self.get_model())  # type: ignore[attr-defined]
 
     def ws_status(self) -> dict[str, Any]:
         """Whether the model is torn (and why), its weight version, and whether an update is open."""

@@ -1,0 +1,142 @@
+"""``collective_rpc("reload_weights", ...)`` on a real vLLM engine runs weight_sync's lifecycle."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.integrations.vllm.conftest import (
+    PROMPTS,
+    checkpoint_items,
+    driver_model,
+    greedy,
+    start_llm,
+    stop_llm,
+)
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm
+
+K_PROJ = "model.layers.1.self_attn.k_proj.weight"
+
+
+@pytest.fixture(scope="module")
+def llm(vllm_ckpts: dict[str, Path], fresh_tokens):
+    engine = start_llm(vllm_ckpts["a"])
+    yield engine
+    stop_llm(engine)
+
+
+@pytest.fixture
+def on_a(llm, vllm_ckpts):
+    """The engine serving A at the start of the test (whatever the previous test left)."""
+    llm.collective_rpc("reload_weights", kwargs={"weights_path": str(vllm_ckpts["a"])})
+    return llm
+
+
+def _with(items, name, tensor):
+    return [(n, tensor if n == name else t) for n, t in items]
+
+
+def test_reload_from_a_path_serves_like_a_fresh_engine_and_a_to_b_to_a_is_exact(
+    on_a, vllm_ckpts, fresh_tokens
+) -> None:
+    fp_a = on_a.collective_rpc("ws_fingerprint")[0]
+    assert greedy(on_a) == fresh_tokens["a"]  # prefix cache now holds A's blocks of the long prompt
+    [report] = on_a.collective_rpc("reload_weights", kwargs={"weights_path": str(vllm_ckpts["b"]),
+                                                            "version": "b1"})
+    assert report["version"] == "b1" and report["num_tensors"] == 25 and not report["partial"]
+    assert greedy(on_a) == fresh_tokens["b"]
+    assert on_a.collective_rpc("ws_fingerprint")[0] != fp_a
+    on_a.collective_rpc("reload_weights", kwargs={"weights_path": str(vllm_ckpts["a"])})
+    assert greedy(on_a) == fresh_tokens["a"]
+    assert on_a.collective_rpc("ws_fingerprint")[0] == fp_a
+
+
+@pytest.mark.parametrize("order", ["in_order", "reversed", "lazy"])
+def test_reload_from_an_iterator_in_any_order_serves_like_a_fresh_engine(order, on_a, vllm_ckpts, fresh_tokens) -> None:
+    items = checkpoint_items(vllm_ckpts["b"])
+    source = {"in_order": items, "reversed": items[::-1], "lazy": iter(items)}[order]
+    [report] = on_a.collective_rpc("reload_weights", kwargs={"weights_iterator": source})
+    assert report["num_tensors"] == len(items)
+    assert greedy(on_a) == fresh_tokens["b"]
+    assert on_a.collective_rpc("ws_last_report")[0]["num_tensors"] == len(items)
+
+
+def test_the_prefix_cache_is_invalidated_after_every_update(on_a, vllm_ckpts, fresh_tokens) -> None:
+    long_prompt = [PROMPTS[1]]
+    assert greedy(on_a, long_prompt) == fresh_tokens["a"][1:]
+    scheduler = on_a.llm_engine.engine_core.engine_core.scheduler
+    cached_blocks = len(scheduler.kv_cache_manager.block_pool.cached_block_hash_to_block)
+    assert cached_blocks > 0
+    on_a.collective_rpc("reload_weights", kwargs={"weights_iterator": checkpoint_items(vllm_ckpts["b"])})
+    assert len(scheduler.kv_cache_manager.block_pool.cached_block_hash_to_block) == 0
+    assert greedy(on_a, long_prompt) == fresh_tokens["b"][1:]
+
+
+def test_a_wrong_shape_is_refused_before_any_write_naming_the_tensor_and_the_expectation(
+    on_a, vllm_ckpts, fresh_tokens
+) -> None:
+    bad = _with(checkpoint_items(vllm_ckpts["b"]), K_PROJ, torch.zeros(7, 128, dtype=torch.bfloat16))
+    with pytest.raises(Exception, match=rf"{K_PROJ}.*\(64, 128\).*\(7, 128\)"):
+        on_a.collective_rpc("reload_weights", kwargs={"weights_iterator": bad})
+    assert on_a.collective_rpc("ws_status")[0]["torn"] is None
+    assert greedy(on_a) == fresh_tokens["a"]
+    on_a.collective_rpc("reload_weights", kwargs={"weights_path": str(vllm_ckpts["b"])})
+    assert greedy(on_a) == fresh_tokens["b"]
+
+
+def test_a_missing_tensor_is_refused_by_name_and_nothing_changes(on_a, vllm_ckpts, fresh_tokens) -> None:
+    items = [(n, t) for n, t in checkpoint_items(vllm_ckpts["b"]) if n != K_PROJ]
+    with pytest.raises(Exception, match=rf"lacks .*{K_PROJ}"):
+        on_a.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
+    assert greedy(on_a) == fresh_tokens["a"]
+
+
+def test_a_lazy_source_that_breaks_mid_stream_makes_the_engine_refuse_requests_until_a_good_update(
+    on_a, vllm_ckpts, fresh_tokens
+) -> None:
+    from weight_sync import TornModelError
+
+    items = checkpoint_items(vllm_ckpts["b"])
+    wrong = torch.zeros(7, 128, dtype=torch.bfloat16)
+
+    def stream():
+        for name, tensor in items:
+            yield name, (wrong if name == K_PROJ else tensor)
+
+    with pytest.raises(Exception, match=rf"{K_PROJ}.*\(64, 128\).*\(7, 128\)"):
+        on_a.collective_rpc("reload_weights", kwargs={"weights_iterator": stream()})
+    assert K_PROJ in on_a.collective_rpc("ws_status")[0]["torn"]
+    with pytest.raises(TornModelError, match=r"refused: update .* failed"):
+        greedy(on_a)
+    on_a.collective_rpc("reload_weights", kwargs={"weights_path": str(vllm_ckpts["b"])})
+    assert on_a.collective_rpc("ws_status")[0]["torn"] is None
+    assert greedy(on_a) == fresh_tokens["b"]
+
+
+def test_with_rollback_a_broken_source_leaves_the_previous_weights_serving(on_a, vllm_ckpts, fresh_tokens) -> None:
+    items = checkpoint_items(vllm_ckpts["b"])
+    fp_a = on_a.collective_rpc("ws_fingerprint")[0]
+
+    def stream():
+        yield from items[: len(items) - 3]  # most layers complete (and swap their prepacked handles)
+        raise ConnectionResetError("trainer went away")
+
+    with pytest.raises(Exception, match=r"the weights source failed after .*trainer went away"):
+        on_a.collective_rpc("reload_weights", kwargs={"weights_iterator": stream(), "rollback": True})
+    assert on_a.collective_rpc("ws_status")[0]["torn"] is None
+    assert on_a.collective_rpc("ws_fingerprint")[0] == fp_a
+    assert greedy(on_a) == fresh_tokens["a"]
+
+
+def test_every_graph_visible_tensor_keeps_its_address_across_updates(on_a, vllm_ckpts) -> None:
+    from weight_sync.layers import signatures
+
+    model = driver_model(on_a)
+    before = signatures(model)
+    on_a.collective_rpc("reload_weights", kwargs={"weights_path": str(vllm_ckpts["b"])})
+    on_a.collective_rpc("reload_weights", kwargs={"weights_iterator": checkpoint_items(vllm_ckpts["a"])[::-1]})
+    assert signatures(model) == before
