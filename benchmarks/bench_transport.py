@@ -1,0 +1,357 @@
+"""Transport benchmark: a full weight update through WeightSender -> WeightReceiver -> reference engine.
+
+Two processes (trainer rank 0, engine rank 1). For every bucket size it times complete updates (start,
+every bucket, the engine's commit) and, in the same run on the same two processes, a baseline:
+
+- nccl / gloo: a raw ``broadcast`` of the same number of bytes, in buckets of the same size, on a fresh
+  group of the same backend (what a perfect pipeline would reach);
+- ipc / shm: one device copy of the same number of bytes (one flat copy on the trainer's device).
+
+It also reports the engine's peak extra memory during an update (buffers + staging + transient) against
+the bound 2 buffers + 1 block, and (CPU) the RSS growth over repeated updates.
+
+GPU (2x H200): random Qwen3-8B-shaped bf16 weights are generated on GPU0, the engine lives on GPU1::
+
+    python benchmarks/bench_transport.py --device cuda --preset qwen3-8b --backends nccl \\
+        --quantization none,fp8_block --bucket-mb 64,256,1024,2048
+    python benchmarks/bench_transport.py --device cuda --preset qwen3-8b --backends ipc --bucket-mb 256,1024
+
+CPU (small model, gloo and shm, plus 50 updates for RSS)::
+
+    python benchmarks/bench_transport.py --device cpu --preset bench --backends gloo,shm --bucket-mb 1,4,16
+
+Results: ``benchmarks/results/transport_<tag>.{json,md,png}`` (tag: --tag, default 'cpu' or 'gpu').
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from weight_sync.engine import ReferenceEngine
+from weight_sync.layers import group_by_block
+from weight_sync.manifest import Manifest
+from weight_sync.testing import hf_config, random_weights, run_distributed
+from weight_sync.transport import TransportConfig, WeightReceiver, WeightSender
+from weight_sync.transport.wire import TRAILER_BYTES
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _rss() -> int:
+    import resource
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def _devices(backend: str, rank: int, device: str) -> torch.device:
+    if device == "cpu":
+        return torch.device("cpu")
+    return torch.device("cuda", 0 if backend == "ipc" else rank)
+
+
+def _largest_block_bytes(manifest: Manifest) -> int:
+    sizes = {m.name: m.nbytes for m in manifest}
+    groups = group_by_block(manifest.names, reference_order=list(manifest.names))
+    return max(sum(sizes[n] for n in names) for names in groups.values())
+
+
+def _raw_group(backend: str, tag: str, rank: int, timeout_s: float) -> Any:
+    from datetime import timedelta
+
+    store = dist.PrefixStore(f"raw/{tag}", dist.distributed_c10d._get_default_store())
+    if backend == "nccl":
+        return dist.ProcessGroupNCCL(store, rank, 2)
+    return dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=timeout_s))
+
+
+def _raw_broadcast_s(backend: str, tag: str, rank: int, device: torch.device, total: int, chunk: int,
+                     repeats: int) -> float:
+    """Median seconds to broadcast ``total`` bytes in ``chunk``-byte broadcasts (two buffers, like ours)."""
+    pg = _raw_group(backend, tag, rank, 300)
+    bufs = [torch.empty(chunk, dtype=torch.uint8, device=device) for _ in range(2)]
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    done = torch.zeros(1, device=device)
+    times = []
+    for r in range(repeats + 1):
+        pg.allreduce([done]).wait()
+        _sync(device)
+        t0 = time.perf_counter()
+        works, left, i = [], total, 0
+        while left > 0:
+            n = min(chunk, left)
+            works.append(pg.broadcast([bufs[i % 2][:n]], opts))
+            left, i = left - n, i + 1
+        for w in works:
+            w.wait()
+        pg.allreduce([done]).wait()  # the receiver has everything
+        _sync(device)
+        if r:
+            times.append(time.perf_counter() - t0)
+    del bufs
+    return statistics.median(times)
+
+
+def _copy_s(device: torch.device, total: int, repeats: int) -> float:
+    src = torch.empty(total, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for r in range(repeats + 1):
+        _sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        if r:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bench_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
+    backend, repeats = spec["backend"], spec["repeats"]
+    device = _devices(backend, rank, spec["device"])
+    if device.type == "cpu":
+        # Two processes share the host: without this, each process's intra-op threads spin against the
+        # other's and against the gloo threads (20x slower on a 2-core machine).
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    store = dist.distributed_c10d._get_default_store()
+    cfg = hf_config("qwen3", spec["preset"], torch.bfloat16)
+    out: dict[str, Any] = {"rank": rank, "device": str(device), "buckets": []}
+    if rank == 0:
+        weights = list(random_weights(cfg, seed=0, dtype=torch.bfloat16, device=device))
+        manifest = Manifest.from_named_tensors(weights)
+        total = manifest.nbytes
+        out.update(num_bytes=total, num_tensors=len(manifest), largest_block_bytes=_largest_block_bytes(manifest))
+        if backend in ("ipc", "shm"):
+            out["copy_s"] = _copy_s(device, total, repeats)
+    else:
+        with tempfile.TemporaryDirectory() as d:
+            (Path(d) / "config.json").write_text(json.dumps(cfg))
+            engine = ReferenceEngine.from_checkpoint(d, device=device, quantization=spec["quantization"],
+                                                     load_weights=False)
+    for bucket_mb in spec["bucket_mb"]:
+        bucket = bucket_mb << 20
+        key = f"bench/{backend}/{bucket_mb}"
+        row: dict[str, Any] = {"bucket_mb": bucket_mb}
+        if rank == 0:
+            sender = WeightSender(TransportConfig(backend=backend, bucket_bytes=bucket, timeout_s=600,
+                                                  checksum=spec["checksum"]), num_receivers=1)
+            store.set(key, sender.address)
+            sender.connect()
+            times, rss = [], []
+            for r in range(spec["warmup"] + repeats):
+                _sync(device)
+                t0 = time.perf_counter()
+                report = sender.send(weights, manifest, version=r)
+                dt = time.perf_counter() - t0
+                if r >= spec["warmup"]:
+                    times.append(dt)
+                rss.append(_rss())
+            sender.close()
+            row.update(seconds=statistics.median(times), seconds_all=times, num_buckets=report.num_buckets,
+                       gbps=total / statistics.median(times) / 1e9, rss_first=rss[0], rss_last=rss[-1],
+                       rss_after_warmup=rss[min(len(rss) - 1, spec["warmup"])])
+        else:
+            receiver = WeightReceiver(engine, store.get(key).decode(), 1, fingerprint=False)
+            receiver.connect()
+            receiver.receive_update()  # warm-up (the first one is the engine's first load)
+            for _ in range(spec["warmup"] - 1):
+                receiver.receive_update()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+                base = torch.cuda.memory_allocated(device)
+                torch.cuda.reset_peak_memory_stats(device)
+            fp_times = []
+            for _ in range(repeats):
+                report = receiver.receive_update()
+                fp_times.append(report.seconds.get("total", 0.0))
+            if device.type == "cuda":
+                transient = torch.cuda.max_memory_allocated(device) - base
+                buffers = 0 if backend == "ipc" else 2 * (bucket + TRAILER_BYTES)
+                staging = 0 if receiver._staging is None else receiver._staging.numel()
+                row.update(extra_engine_bytes=buffers + staging + transient, engine_buffers=buffers,
+                           engine_staging=staging, engine_transient=transient)
+            row["engine_peak_buffered_bytes"] = report.peak_buffered_bytes
+            receiver.close()
+        if backend in ("nccl", "gloo"):
+            total_bytes = out.get("num_bytes") or 0
+            size = torch.tensor([total_bytes], dtype=torch.int64)
+            dist.broadcast(size, 0)
+            row["raw_s"] = _raw_broadcast_s(backend, f"{bucket_mb}", rank, device, int(size), bucket, repeats)
+        out["buckets"].append(row)
+    return out
+
+
+def _run(args: argparse.Namespace, backend: str, quantization: str | None) -> dict[str, Any]:
+    spec = dict(backend=backend, device=args.device, preset=args.preset, quantization=quantization,
+                bucket_mb=args.bucket_mb, repeats=args.repeats, warmup=args.warmup, checksum=not args.no_checksum)
+    trainer, engine = run_distributed(bench_rank, 2, spec, timeout_s=args.timeout_s)
+    rows = []
+    for t, e in zip(trainer["buckets"], engine["buckets"]):
+        row = {**t, **{k: v for k, v in e.items() if k != "bucket_mb"}}
+        if "raw_s" in t:
+            row["raw_gbps"] = trainer["num_bytes"] / t["raw_s"] / 1e9
+            row["ratio_vs_raw"] = t["raw_s"] / t["seconds"]
+        if "copy_s" in trainer:
+            row["copy_s"] = trainer["copy_s"]
+            row["ratio_vs_copy"] = t["seconds"] / trainer["copy_s"]
+        if "extra_engine_bytes" in e:
+            bucket = t["bucket_mb"] << 20
+            buffers = 0 if backend == "ipc" else 2 * (bucket + TRAILER_BYTES)
+            row["memory_bound_bytes"] = buffers + trainer["largest_block_bytes"]
+        rows.append(row)
+    return {"backend": backend, "quantization": quantization, "num_bytes": trainer["num_bytes"],
+            "num_tensors": trainer["num_tensors"], "largest_block_bytes": trainer["largest_block_bytes"],
+            "rows": rows}
+
+
+def _rss_run(args: argparse.Namespace) -> dict[str, Any]:
+    """50 updates over gloo on CPU: RSS of both processes after the warm-up and at the end."""
+    spec = dict(backend="gloo", device="cpu", preset=args.preset, quantization=None, bucket_mb=[args.bucket_mb[0]],
+                repeats=args.rss_updates - 5, warmup=5, checksum=True)
+    trainer, _ = run_distributed(bench_rank, 2, spec, timeout_s=args.timeout_s)
+    row = trainer["buckets"][0]
+    return {"updates": args.rss_updates, "trainer_rss_after_warmup": row["rss_after_warmup"],
+            "trainer_rss_last": row["rss_last"],
+            "trainer_growth": (row["rss_last"] - row["rss_after_warmup"]) / row["rss_after_warmup"]}
+
+
+def _environment(args: argparse.Namespace) -> dict[str, Any]:
+    env = {"python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(),
+           "cpus": os.cpu_count(), "command": "python " + " ".join(sys.argv),
+           "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    if torch.cuda.is_available():
+        env["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        env["cuda"] = torch.version.cuda
+        env["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if hasattr(torch.cuda, "nccl") else None
+    return env
+
+
+def _markdown(result: dict[str, Any]) -> str:
+    env = result["environment"]
+    lines = [f"# Transport benchmark ({result['tag']})", "", f"Command: `{env['command']}`  ",
+             f"Date: {env['date']}; torch {env['torch']}; {env.get('gpus') or str(env['cpus']) + ' CPUs'}", ""]
+    for run in result["runs"]:
+        lines += [f"## {run['backend']}, engine quantization {run['quantization'] or 'none'}", "",
+                  f"{run['num_tensors']} tensors, {run['num_bytes'] / 1e9:.3f} GB per update, largest block "
+                  f"{run['largest_block_bytes'] / 1e6:.1f} MB.", ""]
+        baseline = "raw broadcast" if run["backend"] in ("nccl", "gloo") else "one device copy"
+        lines.append(f"| bucket MB | buckets | update s | GB/s | {baseline} s | ratio | extra engine MB (bound) |")
+        lines.append("|---|---|---|---|---|---|---|")
+        for r in run["rows"]:
+            if "raw_s" in r:
+                base, ratio = f"{r['raw_s']:.4f} ({r['raw_gbps']:.1f} GB/s)", f"{r['ratio_vs_raw']:.3f}x of raw"
+            else:
+                base, ratio = f"{r['copy_s']:.4f}", f"{r['ratio_vs_copy']:.2f}x the copy time"
+            mem = (f"{r['extra_engine_bytes'] / 1e6:.0f} ({r['memory_bound_bytes'] / 1e6:.0f})"
+                   if "extra_engine_bytes" in r else "n/a (CPU)")
+            lines.append(f"| {r['bucket_mb']} | {r['num_buckets']} | {r['seconds']:.4f} | {r['gbps']:.2f} | {base} | "
+                         f"{ratio} | {mem} |")
+        lines.append("")
+    if result.get("rss"):
+        rss = result["rss"]
+        lines += ["## RSS over repeated updates (gloo, CPU)", "",
+                  f"{rss['updates']} updates: trainer RSS {rss['trainer_rss_after_warmup'] / 1e6:.1f} MB after 5, "
+                  f"{rss['trainer_rss_last'] / 1e6:.1f} MB at the end ({rss['trainer_growth']:+.2%}); the engine side "
+                  "is checked by tests/transport/test_memory.py (50 updates, both processes, <= 1%).", ""]
+    lines += ["Method: two processes; each update is timed on the trainer from start_weight_update to the "
+              "engine's agreed commit (finish_weight_update), median of the repeats after warm-up. The raw "
+              "baseline broadcasts the same bytes in buckets of the same size with two buffers on a fresh group "
+              "of the same backend, between the same processes, in the same run; the copy baseline is one "
+              "flat device copy of the same bytes. Extra engine memory = transport buffers + split-tensor "
+              "staging + transient peak during an update; bound = 2 buffers + the largest block.", ""]
+    return "\n".join(lines)
+
+
+def _plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for run in result["runs"]:
+        xs = [r["bucket_mb"] for r in run["rows"]]
+        label = f"{run['backend']} ({run['quantization'] or 'bf16'})"
+        ax.plot(xs, [r["gbps"] for r in run["rows"]], marker="o", label=label)
+        if run["rows"] and "raw_gbps" in run["rows"][0]:
+            ax.plot(xs, [r["raw_gbps"] for r in run["rows"]], linestyle="--", marker="x",
+                    label=f"raw {run['backend']} broadcast")
+        if run["rows"] and "copy_s" in run["rows"][0]:
+            copy = run["num_bytes"] / run["rows"][0]["copy_s"] / 1e9
+            ax.axhline(copy, linestyle=":", color="gray", label="one device copy")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("bucket size (MB)")
+    ax.set_ylabel("GB/s (payload per update)")
+    ax.set_title(f"weight update throughput vs bucket size ({result['tag']})")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--preset", default=None, help="model preset (default: qwen3-8b on cuda, bench on cpu)")
+    p.add_argument("--backends", default=None, help="comma list (default: nccl on cuda, gloo,shm on cpu)")
+    p.add_argument("--quantization", default="none", help="comma list of engine quantizations ('none', 'fp8_block', ...)")
+    p.add_argument("--bucket-mb", default=None, help="comma list of bucket sizes in MiB")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--no-checksum", action="store_true", help="disable per-bucket checksums")
+    p.add_argument("--rss-updates", type=int, default=50, help="CPU: updates for the RSS check (0: skip)")
+    p.add_argument("--timeout-s", type=float, default=1800)
+    p.add_argument("--tag", default=None)
+    args = p.parse_args(argv)
+    cuda = args.device == "cuda"
+    args.preset = args.preset or ("qwen3-8b" if cuda else "bench")
+    backends = (args.backends or ("nccl" if cuda else "gloo,shm")).split(",")
+    args.bucket_mb = [int(x) for x in (args.bucket_mb or ("64,256,1024,2048" if cuda else "1,4,16")).split(",")]
+    quants = [None if q == "none" else q for q in args.quantization.split(",")]
+    tag = args.tag or ("gpu" if cuda else "cpu")
+    result: dict[str, Any] = {"tag": tag, "environment": _environment(args), "preset": args.preset, "runs": []}
+    for backend in backends:
+        for q in quants if backend in ("nccl", "gloo") else [None]:
+            print(f"[bench] {backend} quantization={q or 'none'} buckets={args.bucket_mb} MiB", flush=True)
+            run = _run(args, backend, q)
+            for r in run["rows"]:
+                extra = (f" raw {r['raw_gbps']:.2f} GB/s ratio {r['ratio_vs_raw']:.3f}" if "raw_s" in r
+                         else f" copy {r['copy_s']:.4f}s ratio {r['ratio_vs_copy']:.2f}x")
+                print(f"  bucket {r['bucket_mb']} MiB: {r['seconds']:.4f} s, {r['gbps']:.2f} GB/s{extra}", flush=True)
+            result["runs"].append(run)
+    if not cuda and args.rss_updates:
+        result["rss"] = _rss_run(args)
+        print(f"[bench] RSS growth over {args.rss_updates} updates: {result['rss']['trainer_growth']:+.2%}")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    stem = RESULTS / f"transport_{tag}"
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str))
+    stem.with_suffix(".md").write_text(_markdown(result))
+    _plot(result, stem.with_suffix(".png"))
+    print(f"[bench] wrote {stem}.json/.md/.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
