@@ -1,0 +1,64 @@
+"""``quantization="fp8"`` (online fp8): weight_sync's reload equals vLLM's own, bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.integrations.vllm.conftest import driver_model, greedy, start_llm, stop_llm
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm
+
+
+def _kernel_tensors(llm) -> dict[str, torch.Tensor]:
+    """Every graph-visible tensor of the in-process model but KV caches, copied to host, raw bytes."""
+    from weight_sync.layers import iter_graph_visible_tensors
+
+    return {
+        name: t.detach().clone()
+        for name, t in iter_graph_visible_tensors(driver_model(llm))
+        if not name.endswith(".kv_cache")
+    }
+
+
+def _assert_bitwise_equal(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> None:
+    assert sorted(ours) == sorted(theirs)
+    for name, t in theirs.items():
+        o = ours[name]
+        assert (o.dtype, tuple(o.shape), o.stride()) == (t.dtype, tuple(t.shape), t.stride()), name
+        assert torch.equal(o.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), name
+
+
+@pytest.fixture(scope="module")
+def vllm_reload_of_b(vllm_ckpts: dict[str, Path]):
+    """Kernel tensors and tokens of a plain fp8 vLLM engine on A after vLLM's own reload_weights(B)."""
+    from weight_sync.integrations.vllm.cpu_fp8 import install_cpu_fp8_fallback
+
+    install_cpu_fp8_fallback()  # in-process engines share this process's kernels
+    llm = start_llm(vllm_ckpts["a"], weight_sync=False, quantization="fp8")
+    try:
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": str(vllm_ckpts["b"])})
+        return _kernel_tensors(llm), greedy(llm)
+    finally:
+        stop_llm(llm)
+
+
+def test_fp8_reload_gives_every_kernel_tensor_bitwise_equal_to_vllms_own_reload(vllm_ckpts, vllm_reload_of_b) -> None:
+    theirs, their_tokens = vllm_reload_of_b
+    llm = start_llm(vllm_ckpts["a"], quantization="fp8", options={"cpu_fp8_fallback": True})
+    try:
+        before = _kernel_tensors(llm)
+        weight = "model.layers.0.self_attn.qkv_proj.weight"
+        assert before[weight].dtype == torch.float8_e4m3fn
+        assert not torch.equal(before[weight].view(torch.uint8), theirs[weight].view(torch.uint8))
+        [report] = llm.collective_rpc("reload_weights", kwargs={"weights_path": str(vllm_ckpts["b"])})
+        assert "model.layers.0.self_attn.qkv_proj" in report["layers_processed"]
+        _assert_bitwise_equal(_kernel_tensors(llm), theirs)
+        assert greedy(llm) == their_tokens
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": str(vllm_ckpts["a"])})
+        _assert_bitwise_equal(_kernel_tensors(llm), before)
+    finally:
+        stop_llm(llm)

@@ -1,0 +1,117 @@
+"""vLLM's RL API (init/start/update/finish_weight_update) driven over a gloo transport by a trainer process."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.integrations.vllm.conftest import greedy, start_llm, stop_llm
+from tests.integrations.vllm.trainer_process import K_PROJ, run_trainer
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm
+
+TIMEOUT_S = 20.0
+
+
+@pytest.fixture(scope="module")
+def llm(vllm_ckpts: dict[str, Path], fresh_tokens):
+    engine = start_llm(vllm_ckpts["a"])
+    yield engine
+    stop_llm(engine)
+
+
+class Trainer:
+    """A spawned trainer process running ``steps``; ``address`` is its sender's rendezvous address."""
+
+    def __init__(self, steps: list[tuple[str, Path]]) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=run_trainer, args=(child, [(k, str(p)) for k, p in steps], TIMEOUT_S))
+        self.proc.start()
+        self.address = self.recv()
+
+    def recv(self) -> str:
+        assert self.conn.poll(120), "the trainer process did not answer within 120 s"
+        return self.conn.recv()
+
+    def join(self) -> int | None:
+        self.proc.join(60)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+        return self.proc.exitcode
+
+
+def _update(llm, version: str | None = None) -> None:
+    llm.start_weight_update()
+    llm.update_weights({"update_info": {}})
+    llm.finish_weight_update(weight_version=version)
+
+
+def test_updates_from_a_trainer_process_serve_like_fresh_engines_and_a_to_b_to_a_is_exact(
+    llm, vllm_ckpts, fresh_tokens
+) -> None:
+    fp_a = llm.collective_rpc("ws_fingerprint")[0]
+    trainer = Trainer([("good", vllm_ckpts["b"]), ("good", vllm_ckpts["a"])])
+    llm.init_weight_transfer_engine({"init_info": {"address": trainer.address}})
+    _update(llm, "b")
+    assert trainer.recv() == "committed 1"
+    assert greedy(llm) == fresh_tokens["b"]
+    assert llm.get_weight_version() == "b"
+    report = llm.collective_rpc("ws_last_report")[0]
+    assert report["version"] == 1 and report["num_tensors"] == 25
+    _update(llm, "a")
+    assert trainer.recv() == "committed 2"
+    assert greedy(llm) == fresh_tokens["a"]
+    assert llm.collective_rpc("ws_fingerprint")[0] == fp_a
+    assert trainer.recv() == "done"
+    assert trainer.join() == 0
+
+
+def test_a_manifest_with_a_wrong_shape_is_refused_on_both_sides_and_the_next_update_works(
+    llm, vllm_ckpts, fresh_tokens
+) -> None:
+    trainer = Trainer([("good", vllm_ckpts["a"]), ("bad_shape", vllm_ckpts["b"]), ("good", vllm_ckpts["b"])])
+    llm.init_weight_transfer_engine({"init_info": {"address": trainer.address}})
+    _update(llm)
+    assert trainer.recv() == "committed 1"
+    with pytest.raises(Exception, match=rf"{K_PROJ}.*\(64, 128\).*\(7, 128\)"):
+        llm.start_weight_update()
+    assert trainer.recv().startswith("refused AgreedManifestError: start_weight_update failed on 1 of 2 ranks")
+    assert llm.collective_rpc("ws_status")[0]["torn"] is None
+    assert greedy(llm) == fresh_tokens["a"]  # still serving the previous weights
+    _update(llm)
+    assert trainer.recv() == "committed 3"
+    assert greedy(llm) == fresh_tokens["b"]
+    assert trainer.recv() == "done"
+    assert trainer.join() == 0
+
+
+def test_a_killed_trainer_is_reported_within_the_timeout_and_the_engine_refuses_until_a_good_update(
+    llm, vllm_ckpts, fresh_tokens
+) -> None:
+    from weight_sync import TornModelError
+
+    dying = Trainer([("die", vllm_ckpts["b"])])
+    llm.init_weight_transfer_engine({"init_info": {"address": dying.address}})
+    llm.start_weight_update()
+    t0 = time.monotonic()
+    with pytest.raises(Exception, match=r"(?i)timed out|timeout|closed|reset|peer|connection"):
+        llm.update_weights({"update_info": {}})
+    assert time.monotonic() - t0 < TIMEOUT_S + 15
+    assert dying.join() == -9
+    assert llm.collective_rpc("ws_status")[0]["torn"]  # buckets before the kill were written
+    with pytest.raises(TornModelError, match=r"refused"):
+        greedy(llm)
+    healthy = Trainer([("good", vllm_ckpts["b"])])
+    llm.init_weight_transfer_engine({"init_info": {"address": healthy.address}})
+    _update(llm)
+    assert healthy.recv() == "committed 1"
+    assert llm.collective_rpc("ws_status")[0]["torn"] is None
+    assert greedy(llm) == fresh_tokens["b"]
+    assert healthy.recv() == "done"
+    assert healthy.join() == 0

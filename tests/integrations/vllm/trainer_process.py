@@ -1,0 +1,61 @@
+"""A trainer process for transfer tests: a WeightSender that runs a script of updates (spawned).
+
+Kept free of vllm imports: it is what a trainer host runs. The pipe to the test carries only the sender's
+address and a line per step (test plumbing, not part of any wire format).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import torch
+
+from weight_sync.layers.blocks import order_by_block
+from weight_sync.manifest import Manifest, TensorMeta
+from weight_sync.safetensors_io import iter_checkpoint
+from weight_sync.transport import TransportConfig, WeightSender
+
+K_PROJ = "model.layers.1.self_attn.k_proj.weight"
+
+
+def _update(path: str) -> tuple[Manifest, dict[str, torch.Tensor]]:
+    tensors = dict(iter_checkpoint(path))
+    names = order_by_block(list(tensors))
+    return Manifest(tuple(TensorMeta.of(n, tensors[n]) for n in names)), tensors
+
+
+def _dying(manifest: Manifest, tensors: dict[str, torch.Tensor]):
+    """Yield the update's tensors until half are sent, then die the way an OOM-killed trainer does."""
+    for n, name in enumerate(manifest.names):
+        if n == len(manifest) // 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        yield name, tensors[name]
+
+
+def run_trainer(conn: Any, steps: list[tuple[str, str]], timeout_s: float) -> None:
+    """Steps: ("good", ckpt) a full update; ("bad_shape", ckpt) a manifest announcing a wrong shape;
+    ("die", ckpt) start an update and get SIGKILLed in the middle of sending it."""
+    sender = WeightSender(TransportConfig(backend="gloo", bucket_bytes=64 << 10, timeout_s=timeout_s),
+                          num_receivers=1)
+    conn.send(sender.address)
+    sender.connect()
+    for i, (kind, path) in enumerate(steps, start=1):
+        manifest, tensors = _update(path)
+        if kind == "good":
+            report = sender.send(tensors, manifest, version=i)
+            conn.send(f"committed {report.version}")
+        elif kind == "bad_shape":
+            bad = Manifest(tuple(TensorMeta(m.name, m.dtype, (7, *m.shape[1:])) if m.name == K_PROJ else m
+                                 for m in manifest))
+            try:
+                sender.start_weight_update(bad, version=i)
+            except Exception as e:
+                conn.send(f"refused {type(e).__name__}: {e}")
+        elif kind == "die":
+            sender.start_weight_update(manifest, version=i)
+
+            sender.update_weights(_dying(manifest, tensors))
+    conn.send("done")
+    sender.close()
