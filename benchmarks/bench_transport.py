@@ -12,9 +12,8 @@ the bound 2 buffers + 1 block, and (CPU) the RSS growth over repeated updates.
 
 GPU (2x H200): random Qwen3-8B-shaped bf16 weights are generated on GPU0, the engine lives on GPU1::
 
-    python benchmarks/bench_transport.py --device cuda --preset qwen3-8b --backends nccl \\
-        --quantization none,fp8_block --bucket-mb 64,256,1024,2048
-    python benchmarks/bench_transport.py --device cuda --preset qwen3-8b --backends ipc --bucket-mb 256,1024
+    python benchmarks/bench_transport.py --tag h200x2     # = --device cuda --preset qwen3-8b --backends nccl,ipc
+                                                         #   --quantization none,fp8_block --bucket-mb 64,256,1024,2048
 
 CPU (small model, gloo and shm, plus 50 updates for RSS)::
 
@@ -284,7 +283,11 @@ def _markdown(result: dict[str, Any]) -> str:
 
 
 def _plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"[bench] matplotlib is not installed: no {path.name}")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -313,10 +316,11 @@ def _plot(result: dict[str, Any], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
     p.add_argument("--preset", default=None, help="model preset (default: qwen3-8b on cuda, bench on cpu)")
     p.add_argument("--backends", default=None, help="comma list (default: nccl on cuda, gloo,shm on cpu)")
-    p.add_argument("--quantization", default="none", help="comma list of engine quantizations ('none', 'fp8_block', ...)")
+    p.add_argument("--quantization", default=None,
+                   help="comma list of engine quantizations for nccl/gloo (default: none,fp8_block on cuda, none on cpu)")
     p.add_argument("--bucket-mb", default=None, help="comma list of bucket sizes in MiB")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
@@ -325,11 +329,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout-s", type=float, default=1800)
     p.add_argument("--tag", default=None)
     args = p.parse_args(argv)
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = args.device == "cuda"
     args.preset = args.preset or ("qwen3-8b" if cuda else "bench")
-    backends = (args.backends or ("nccl" if cuda else "gloo,shm")).split(",")
+    default_backends = ("nccl,ipc" if torch.cuda.device_count() >= 2 else "ipc") if cuda else "gloo,shm"
+    backends = (args.backends or default_backends).split(",")
     args.bucket_mb = [int(x) for x in (args.bucket_mb or ("64,256,1024,2048" if cuda else "1,4,16")).split(",")]
-    quants = [None if q == "none" else q for q in args.quantization.split(",")]
+    quants = [None if q == "none" else q for q in (args.quantization or ("none,fp8_block" if cuda else "none")).split(",")]
     tag = args.tag or ("gpu" if cuda else "cpu")
     result: dict[str, Any] = {"tag": tag, "environment": _environment(args), "preset": args.preset, "runs": []}
     for backend in backends:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from trainers.demo import TRANSPORTS
 from weight_sync.quant.registry import QUANTIZATION_NAMES
 
 
@@ -14,12 +15,13 @@ def _run(args: argparse.Namespace) -> int:
     config = DemoConfig(
         steps=args.steps, quantization=None if args.quantization == "none" else args.quantization,
         seed=args.seed, out_dir=Path(args.out), verify=not args.no_verify, lr=args.lr,
+        transport=args.transport, workers=args.workers,
     )
     results = run_demo(config)
     first, last = results[0].reward, max(r.reward for r in results[-3:])
     print(f"reward {first:.3f} -> {last:.3f}; curve in {Path(args.out) / 'reward_curve.png'}")
     if any(r.fingerprint_match is False for r in results):
-        print("FAIL: an engine fingerprint differed from a fresh load of the trainer's weights")
+        print("FAIL: an engine's fingerprint differed from a fresh load of the trainer's weights")
         return 1
     return 0
 
@@ -40,4 +42,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/demo", help="directory for results.json and reward_curve.png")
     p.add_argument("--no-verify", action="store_true", help="skip the per-step fresh-engine check")
+    p.add_argument("--transport", choices=list(TRANSPORTS), default="gloo",
+                   help="how weights reach the engines: 'inproc' (engine in this process) or a transport "
+                        "backend to engine worker processes (default gloo: trainer process + engine process)")
+    p.add_argument("--workers", type=int, default=1, help="engine worker processes (transports other than inproc)")
     p.set_defaults(func=_run)

@@ -26,7 +26,10 @@ from weight_sync.manifest import Manifest
 from weight_sync.testing import make_checkpoint
 from weight_sync.testing.checkpoint import CHARS, SPECIAL_TOKENS
 
-__all__ = ["DemoConfig", "StepResult", "run_demo", "trainer_weights"]
+__all__ = ["TRANSPORTS", "DemoConfig", "StepResult", "run_demo", "trainer_weights"]
+
+# 'inproc': the engine lives in the trainer's process; the others run engine worker processes.
+TRANSPORTS = ("inproc", "gloo", "shm", "nccl", "ipc")
 
 log = logging.getLogger(__name__)
 
@@ -46,11 +49,18 @@ class DemoConfig:
     target_chars: str = "".join(CHARS)
     out_dir: Path = Path("runs/demo")
     verify: bool = True
+    transport: str = "gloo"
+    workers: int = 1
+    bucket_bytes: int = 1 << 20
 
     def __post_init__(self) -> None:
         for name in ("steps", "prompts_per_step", "samples_per_prompt", "new_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if self.workers < 1 or (self.transport == "inproc" and self.workers != 1):
+            raise ValueError(f"workers must be >= 1 (exactly 1 with transport 'inproc'), got {self.workers}")
         if self.samples_per_prompt < 2:
             raise ValueError("samples_per_prompt must be >= 2 (advantages are relative within a group)")
 
@@ -103,20 +113,93 @@ def run_demo(config: DemoConfig) -> list[StepResult]:
     trainer = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
     trainer.train()
     opt = torch.optim.Adam(trainer.parameters(), lr=config.lr)
-    engine = ReferenceEngine.from_checkpoint(ckpt, dtype=torch.bfloat16, quantization=config.quantization)
+    engine, workers, sender = None, None, None
+    if config.transport == "inproc":
+        engine = ReferenceEngine.from_checkpoint(ckpt, dtype=torch.bfloat16, quantization=config.quantization)
+    else:
+        workers, sender = _start_workers(config, ckpt)
     manifest = Manifest.from_named_tensors(trainer_weights(trainer))
     targets = _target_ids(config.target_chars)
     gen = torch.Generator().manual_seed(config.seed)
     results: list[StepResult] = []
     scratch = Path(tempfile.mkdtemp(prefix="ws-demo-"))
-    print(f"engine: reference, quantization={config.quantization}; trainer: transformers fp32; "
+    where = ("in process" if workers is None
+             else f"{len(workers)} worker process(es) over {config.transport}")
+    print(f"engine: reference, quantization={config.quantization}, {where}; trainer: transformers fp32; "
           f"{len(manifest)} tensors, {manifest.nbytes / 1e6:.1f} MB per sync")
+    try:
+        results = _loop(config, trainer, opt, engine, workers, sender, manifest, targets, gen, ckpt, scratch)
+    finally:
+        if sender is not None:
+            sender.close()
+        if workers is not None:
+            workers.close()
+    (out / "results.json").write_text(json.dumps(
+        {"config": {k: str(v) for k, v in asdict(config).items()}, "steps": [asdict(r) for r in results]},
+        indent=1,
+    ))
+    _plot(results, out / "reward_curve.png")
+    return results
+
+
+def _start_workers(config: DemoConfig, ckpt: Path):
+    """Engine worker processes (one RolloutWorker each) connected to a sender in this process."""
+    from trainers.remote import EngineProcesses
+    from weight_sync.transport import TransportConfig, WeightSender
+
+    if config.transport == "nccl":
+        devices = [f"cuda:{i + 1}" for i in range(config.workers)]  # the sender's buffers use cuda:0
+    elif config.transport == "ipc":
+        devices = ["cuda:0"] * config.workers  # colocated with the sender's buffers
+    else:
+        devices = ["cpu"] * config.workers
+    workers = EngineProcesses(str(ckpt), config.workers, devices=devices, quantization=config.quantization)
+    try:
+        sender = WeightSender(TransportConfig(backend=config.transport, bucket_bytes=config.bucket_bytes,
+                                              timeout_s=120), num_receivers=config.workers)
+        workers.submit_each("init_weight_transfer_engine",
+                            [({"address": sender.address, "rank": i + 1},) for i in range(config.workers)])
+        sender.connect()
+        workers.collect()
+    except BaseException:
+        workers.close()
+        raise
+    return workers, sender
+
+
+def _rollouts(config: DemoConfig, engine, workers, batch: list[list[int]], step: int) -> list[list[int]]:
+    seed = config.seed * 100_003 + step
+    if workers is None:
+        return engine.generate(batch, config.new_tokens, temperature=config.temperature, seed=seed)
+    per = -(-len(batch) // len(workers))
+    chunks = [batch[i * per : (i + 1) * per] for i in range(len(workers))]
+    parts = workers.call_each("generate", [(c, config.new_tokens) for c in chunks],
+                              {"temperature": config.temperature, "seed": seed})
+    return [c for part in parts for c in part]
+
+
+def _sync(config: DemoConfig, trainer, engine, workers, sender, manifest: Manifest, step: int):
+    """Push the trainer's weights into every engine; returns (bytes, the engines' fingerprints)."""
+    if workers is None:
+        with engine.begin_update(manifest, version=step + 1) as session:
+            session.load(trainer_weights(trainer))
+        report = engine.last_report = session.report
+        return report.num_bytes, [report.fingerprint]
+    workers.submit("receive_update")
+    try:
+        report = sender.send(trainer_weights(trainer), manifest, version=step + 1)
+    finally:
+        workers.collect()
+    return report.num_bytes, report.fingerprints
+
+
+def _loop(config, trainer, opt, engine, workers, sender, manifest, targets, gen, ckpt, scratch) -> list[StepResult]:
+    results: list[StepResult] = []
     for step in range(config.steps):
         prompts = torch.randint(len(SPECIAL_TOKENS), len(SPECIAL_TOKENS) + len(CHARS),
                                 (config.prompts_per_step, 4), generator=gen).tolist()
         batch = [p for p in prompts for _ in range(config.samples_per_prompt)]
-        completions = engine.generate(batch, config.new_tokens, temperature=config.temperature,
-                                      seed=config.seed * 100_003 + step)
+        completions = _rollouts(config, engine, workers, batch, step)
         comp = torch.tensor(completions)
         rewards = torch.isin(comp, targets).float().mean(-1)
         grouped = rewards.view(config.prompts_per_step, config.samples_per_prompt)
@@ -127,22 +210,16 @@ def run_demo(config: DemoConfig) -> list[StepResult]:
         loss.backward()
         opt.step()
         t0 = time.perf_counter()
-        with engine.begin_update(manifest, version=step + 1) as session:
-            session.load(trainer_weights(trainer))
-        report = engine.last_report = session.report
+        num_bytes, fingerprints = _sync(config, trainer, engine, workers, sender, manifest, step)
         sync_s = time.perf_counter() - t0
         match = None
         if config.verify:
-            match = _fresh_fingerprint(trainer, ckpt, scratch, config.quantization) == report.fingerprint
-        res = StepResult(step + 1, float(rewards.mean()), sync_s, report.num_bytes, match)
+            expected = _fresh_fingerprint(trainer, ckpt, scratch, config.quantization)
+            match = all(fp == expected for fp in fingerprints)
+        res = StepResult(step + 1, float(rewards.mean()), sync_s, num_bytes, match)
         results.append(res)
         print(f"step {res.step:3d}  reward {res.reward:.3f}  sync {res.sync_s * 1e3:7.1f} ms  "
               f"{res.sync_bytes / 1e6:5.2f} MB  fingerprint match: {res.fingerprint_match}")
-    (out / "results.json").write_text(json.dumps(
-        {"config": {k: str(v) for k, v in asdict(config).items()}, "steps": [asdict(r) for r in results]},
-        indent=1,
-    ))
-    _plot(results, out / "reward_curve.png")
     return results
 
 

@@ -31,6 +31,7 @@ RPC_METHODS = (
     "get_address",
     "get_weight_version",
     "init_weight_transfer_engine",
+    "receive_update",
     "reload_weights",
     "shutdown",
     "start_weight_update",
@@ -138,6 +139,10 @@ class RolloutWorker:
     def finish_weight_update(self) -> dict[str, Any]:
         return _report_dict(self._recv().finish_weight_update())
 
+    def receive_update(self, timeout_s: float | None = None) -> dict[str, Any]:
+        """One whole update (start, every call, finish) as the trainer's sender drives it."""
+        return _report_dict(self._recv().receive_update(timeout_s))
+
     def get_weight_version(self) -> Any:
         if self.receiver is not None and self.receiver.weight_version is not None:
             return self.receiver.weight_version
@@ -152,8 +157,9 @@ class RolloutWorker:
     def fingerprint(self) -> str:
         return self.engine.fingerprint()
 
-    def generate(self, prompt_token_ids: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-        return self.engine.generate(prompt_token_ids, max_new_tokens)
+    def generate(self, prompt_token_ids: list[list[int]], max_new_tokens: int, **sampling: Any) -> list[list[int]]:
+        """The engine's generate (sampling options such as temperature and seed pass through)."""
+        return self.engine.generate(prompt_token_ids, max_new_tokens, **sampling)
 
     def shutdown(self) -> None:
         if self.receiver is not None:

@@ -121,7 +121,7 @@ def export_ipc_buffer(buffer: torch.Tensor) -> IpcBufferHandle:
         storage_offset_bytes=int(offset_bytes),
         ref_counter_handle=b64encode(ref_handle),  # type: ignore[arg-type]
         ref_counter_offset=int(ref_offset),
-        event_handle=b64encode(event_handle) if event_handle else None,
+        event_handle=b64encode(event_handle) if event_handle is not None else None,
         event_sync_required=bool(event_sync),
         nbytes=buffer.numel(),
     )
@@ -145,5 +145,5 @@ def import_ipc_buffer(h: IpcBufferHandle) -> torch.Tensor:
         torch.Tensor, (h.nbytes,), (1,), 0, torch.UntypedStorage, torch.uint8, local,
         b64decode(h.handle), h.storage_size_bytes, h.storage_offset_bytes, False,
         b64decode(h.ref_counter_handle), h.ref_counter_offset,
-        b64decode(h.event_handle) if h.event_handle else None, h.event_sync_required,
+        b64decode(h.event_handle) if h.event_handle is not None else None, h.event_sync_required,
     )

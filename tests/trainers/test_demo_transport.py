@@ -1,0 +1,23 @@
+"""``weight-sync demo`` across processes: engines in worker processes, verified every step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from weight_sync.cli import main
+
+
+def test_demo_over_gloo_with_an_engine_process_passes_its_fingerprint_checks(tmp_path: Path) -> None:
+    assert main(["demo", "--steps", "2", "--transport", "gloo", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "results.json").exists()
+
+
+def test_demo_exits_non_zero_when_an_engine_differs_from_the_trainer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                     capsys: pytest.CaptureFixture) -> None:
+    import trainers.demo
+
+    monkeypatch.setattr(trainers.demo, "_fresh_fingerprint", lambda *a, **k: "0" * 64)
+    assert main(["demo", "--steps", "1", "--transport", "shm", "--workers", "2", "--out", str(tmp_path)]) == 1
+    assert "FAIL" in capsys.readouterr().out
