@@ -73,7 +73,7 @@ def create_shm_buffers(directory: str, count: int, nbytes: int) -> tuple[list[to
 
 def _map(path: Path, nbytes: int) -> torch.Tensor:
     storage = torch.UntypedStorage.from_file(str(path), shared=True, nbytes=nbytes)
-    return torch.empty(0, dtype=torch.uint8).set_(storage)  # type: ignore[call-overload]
+    return torch.empty(0, dtype=torch.uint8).set_(storage)  # type: ignore[call-overload,arg-type]
 
 
 def open_shm_buffer(handle: ShmBufferHandle) -> torch.Tensor:

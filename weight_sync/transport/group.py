@@ -154,11 +154,11 @@ class Channel:
             work.wait()
         except Exception as e:
             # gloo reports its own deadline as an error; keep it a timeout for the caller.
-            timed_out = "timed out" in str(e).lower() or "timeout" in type(e).__name__.lower()
-            what = "timed out" if timed_out else "failed"
+            is_timeout = "timed out" in str(e).lower() or "timeout" in type(e).__name__.lower()
+            what = "timed out" if is_timeout else "failed"
             msg = f"[rank {self.rank}] {phase}: communication with {self.peers} {what}: {e}"
             self.fail(msg)
-            raise (TransportTimeout if timed_out else TransportError)(msg) from e
+            raise (TransportTimeout if is_timeout else TransportError)(msg) from e
 
     def guard(self, phase: str, fn: Callable[[], Any]) -> Any:
         """Issue a collective; an immediate failure breaks the channel like a failed wait."""
@@ -204,7 +204,7 @@ class Channel:
     def allreduce_max(self, values: torch.Tensor, phase: str) -> Any:
         """Start an all-reduce MAX of a small int64 CPU tensor; returns the work (wait with ``wait``)."""
         opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.MAX
+        opts.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]
         return self.guard(phase, lambda: self.group.allreduce([values], opts))
 
     def ibroadcast(self, t: torch.Tensor, phase: str) -> Any:

@@ -272,7 +272,7 @@ class WeightSender:
         metas = self._manifest.tensors[first : first + count]
         if isinstance(named_tensors, Mapping):
             mapping = named_tensors
-            named_tensors = ((m.name, mapping[m.name]) if m.name in mapping else (m.name, None) for m in metas)
+            named_tensors = ((m.name, mapping.get(m.name)) for m in metas)  # type: ignore[misc]
         t0 = time.perf_counter()
         if self._disk is not None:
             it = iter(named_tensors)
@@ -363,7 +363,9 @@ class WeightSender:
 
     def _pack(self, bucket: Bucket, buf: torch.Tensor, source: _Checked, current: dict[int, torch.Tensor]) -> None:
         """Copy the bucket's segments into ``buf`` on the pack stream and write its checksum."""
-        stream = self._plane.pack_stream
+        plane = self._plane
+        assert plane is not None
+        stream = plane.pack_stream
         cuda = self.shim.is_cuda
         for seg in bucket.segments:
             flat = current.get(seg.index)
@@ -373,7 +375,7 @@ class WeightSender:
                     # The tensor was produced on the caller's stream; the pack stream must see it, and the
                     # allocator must not hand its memory out before the pack stream has read it.
                     stream.wait_stream(self.shim.current_stream())
-                    flat.record_stream(stream.raw)
+                    flat.record_stream(stream.raw)  # type: ignore[arg-type]
                 current[seg.index] = flat
             if seg.nbytes:
                 with stream.use():
@@ -384,7 +386,9 @@ class WeightSender:
                 del current[seg.index]
 
     def _write_trailer(self, bucket: Bucket, buf: torch.Tensor, k: int, status: int) -> None:
-        stream = self._plane.pack_stream
+        plane = self._plane
+        assert plane is not None
+        stream = plane.pack_stream
         p = bucket.payload_bytes
         trailer = buf[p : p + TRAILER_BYTES].view(torch.int64)
         head = torch.tensor([MAGIC, self._seq, self._call, k, status, p], dtype=torch.int64)
