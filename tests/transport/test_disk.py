@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from trainers import CheckpointSource
 from weight_sync.engine import ReferenceEngine
 from weight_sync.errors import ChecksumError, ManifestError, TransportTimeout
 from weight_sync.reload import torn_reason
 from weight_sync.safetensors_io import read_header
 from weight_sync.transport import TransportConfig, WeightReceiver, WeightSender
-from trainers import CheckpointSource
 
 
 def _sender(tmp_path: Path, **kw) -> WeightSender:

@@ -13,6 +13,7 @@ and the transport must be connected again.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -88,7 +89,8 @@ def make_group(kind: str, store: dist.Store, prefix: str, rank: int, size: int, 
         opts = dist.ProcessGroupNCCL.Options()
         # Our own polls time out first and abort the communicator; NCCL's watchdog is only a backstop
         # (when it fires it may tear the process down, so it must never be the first to notice).
-        opts._timeout = timedelta(seconds=max(4 * timeout_s, 60.0))
+        with contextlib.suppress(AttributeError):  # older torch: its default (10 min) is a backstop too
+            opts._timeout = timedelta(seconds=max(4 * timeout_s, 60.0))
         return dist.ProcessGroupNCCL(pstore, rank, size, opts)
     raise ValueError(f"group kind must be 'gloo' or 'nccl', got {kind!r}")
 
