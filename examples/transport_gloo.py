@@ -14,10 +14,10 @@ import multiprocessing as mp
 import tempfile
 from pathlib import Path
 
+from trainers import CheckpointSource
 from weight_sync.engine import ReferenceEngine
 from weight_sync.testing import make_checkpoint
 from weight_sync.transport import TransportConfig, WeightReceiver, WeightSender
-from trainers import CheckpointSource
 
 
 def engine_process(address: str, rank: int, checkpoint: str, updates: int) -> None:
