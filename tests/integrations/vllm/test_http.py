@@ -1,0 +1,93 @@
+"""An OpenAI-compatible vLLM server (dev mode) driven over HTTP by the trainer-side client."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.integrations.vllm.conftest import ENGINE_ARGS, MAX_TOKENS, PROMPTS, checkpoint_items
+
+pytest.importorskip("vllm")
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(vllm_ckpts: dict[str, Path], fresh_tokens) -> Iterator[str]:
+    from weight_sync.integrations.vllm import engine_cli_args
+
+    port = _free_port()
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(vllm_ckpts["a"]),
+        "--host", "127.0.0.1", "--port", str(port), "--dtype", ENGINE_ARGS["dtype"], "--enforce-eager",
+        "--max-model-len", str(ENGINE_ARGS["max_model_len"]),
+        "--kv-cache-memory-bytes", str(ENGINE_ARGS["kv_cache_memory_bytes"]), "--seed", "0",
+        *engine_cli_args(),
+    ]
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log: list[str] = []
+    assert proc.stdout is not None
+    # Readiness is the server's own log line; reading blocks until it appears or the server exits.
+    for line in proc.stdout:
+        log.append(line)
+        if "Application startup complete" in line:
+            break
+    if proc.poll() is not None:
+        pytest.fail("the vLLM server exited during startup:\n" + "".join(log[-40:]))
+    drain = threading.Thread(target=lambda: [log.append(x) for x in proc.stdout], daemon=True)  # type: ignore[union-attr]
+    drain.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _completions(url: str, model: str) -> list[list[int]]:
+    out = []
+    for prompt in PROMPTS:
+        body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+                "return_token_ids": True}
+        req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            out.append(json.loads(resp.read())["choices"][0]["token_ids"])
+    return out
+
+
+def test_reload_and_push_through_the_http_routes_serve_like_fresh_engines(server, vllm_ckpts, fresh_tokens) -> None:
+    from weight_sync.integrations.vllm import HTTPControl, WeightSyncClient
+
+    model = str(vllm_ckpts["a"])
+    assert _completions(server, model) == fresh_tokens["a"]
+    with WeightSyncClient(HTTPControl(server)) as client:
+        [report] = client.reload_weights(weights_path=vllm_ckpts["b"], version="b-path")
+        assert report["version"] == "b-path"
+        assert _completions(server, model) == fresh_tokens["b"]
+        client.connect()
+        client.push(dict(checkpoint_items(vllm_ckpts["a"])), version=5)
+        assert _completions(server, model) == fresh_tokens["a"]
+        assert client.weight_version() == "5"
+        client.reload_weights(weights_iterator=checkpoint_items(vllm_ckpts["b"]))
+        assert _completions(server, model) == fresh_tokens["b"]
+        assert client.status() == [{"torn": None, "version": None, "updating": False}]
+        assert len(client.fingerprint()[0]) == 64
