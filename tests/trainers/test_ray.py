@@ -16,12 +16,11 @@ pytestmark = pytest.mark.ray
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    import os
-
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RAY_USAGE_STATS_ENABLED", "0")
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        yield
+        ray.shutdown()
 
 
 @pytest.mark.parametrize(("backend", "num_engines", "tp_size"), [("gloo", 2, 1), ("shm", 1, 2)])
