@@ -13,7 +13,7 @@ copies; their keys are marked ``loader`` and run through the real loader, which 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from weight_sync.errors import LayoutMismatchError, WeightSyncError
 from weight_sync.layers.blocks import block_key
-from weight_sync.layers.meta import install_tensor, rematerialize
+from weight_sync.layers.meta import TensorRecord, install_tensor, rematerialize
 from weight_sync.manifest import TensorMeta
 from weight_sync.reload.state import LayerInfo, ModelState, model_load_weights
 
@@ -70,15 +70,59 @@ class Plan:
 
     keys: dict[str, KeyPlan] = field(default_factory=dict)
     layer_keys: dict[str, set[str]] = field(default_factory=dict)
+    # Per layer, the tensors its keys' recorded copies write entirely (computed on demand, cached).
+    coverage: dict[str, frozenset[str]] = field(default_factory=dict)
 
     def add(self, kp: KeyPlan) -> None:
         old = self.keys.get(kp.name)
         if old is not None:
             for layer in old.layers:
                 self.layer_keys.get(layer, set()).discard(kp.name)
+                self.coverage.pop(layer, None)
         self.keys[kp.name] = kp
         for layer in kp.layers:
             self.layer_keys.setdefault(layer, set()).add(kp.name)
+            self.coverage.pop(layer, None)
+
+    def fully_written(self, layer: str, records: Mapping[str, TensorRecord]) -> frozenset[str]:
+        """Names of ``layer``'s tensors that the recorded copies of its keys overwrite element by element.
+
+        A tensor written only partly, or by a real loader call (whose writes are not recorded), is not
+        in the set. Staging for the tensors in the set needs no zero fill: every byte is written before
+        the layer is processed.
+        """
+        cached = self.coverage.get(layer)
+        if cached is not None:
+            return cached
+        keys = [self.keys[k] for k in self.layer_keys.get(layer, ())]
+        if any(kp.mode == "loader" for kp in keys):
+            self.coverage[layer] = frozenset()
+            return self.coverage[layer]
+        masks: dict[str, torch.Tensor] = {}
+        for kp in keys:
+            for op in kp.ops:
+                rec = records.get(op.tensor)
+                if op.layer != layer or rec is None:
+                    continue
+                mask = masks.get(op.tensor)
+                if mask is None:
+                    mask = masks[op.tensor] = torch.zeros(
+                        _span(rec.shape, rec.stride), dtype=torch.bool
+                    )
+                mask.as_strided(op.dst_size, op.dst_stride, op.dst_offset).fill_(True)
+        full = frozenset(
+            name for name, mask in masks.items()
+            if bool(mask.as_strided(records[name].shape, records[name].stride).all())
+        )
+        self.coverage[layer] = full
+        return full
+
+
+def _span(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
+    """Elements of storage a (shape, stride) view spans from its first element."""
+    if any(d == 0 for d in shape):
+        return 0
+    return 1 + sum((d - 1) * s for d, s in zip(shape, stride))
 
 
 @contextlib.contextmanager

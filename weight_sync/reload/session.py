@@ -371,7 +371,18 @@ class UpdateSession:
             )
         where = torch.device("cpu") if spill else self.device
         pin = spill and self.device.type == "cuda"
-        staging = {rec.name: rematerialize(rec, where, pin=pin) for rec in info.records.values()}
+        # Zero fill keeps regions no loader writes (padding) deterministic; tensors the plan's copies
+        # overwrite entirely skip it. Only when completion is by expected keys: then a processed layer
+        # is never processed before every one of its keys (and so every recorded copy) has arrived.
+        written = self.plan.fully_written(info.name, info.records) if self.expected is not None else frozenset()
+        staging = {
+            rec.name: rematerialize(
+                rec, where, pin=pin,
+                data=torch.empty_strided(rec.shape, rec.stride, dtype=rec.dtype, device=where, pin_memory=pin)
+                if rec.name in written else None,
+            )
+            for rec in info.records.values()
+        }
         extra = {
             k: v for k, v in vars(mod).items()
             if k not in info.initial_attrs and not isinstance(v, torch.Tensor)
