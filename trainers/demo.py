@@ -235,7 +235,7 @@ def _plot(results: list[StepResult], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot([r.step for r in results], [r.reward for r in results], marker="o")
     ax.set_xlabel("step (one weight sync per step)")
-    ax.set_ylabel("reward (digit fraction)")
+    ax.set_ylabel("reward (printable-token fraction)")
     ax.set_title("QeRL demo: trainer -> fp8 reference engine")
     ax.grid(alpha=0.3)
     fig.tight_layout()
