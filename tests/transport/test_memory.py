@@ -9,18 +9,19 @@ import pytest
 from tests.transport.harness import repeated_updates
 from weight_sync.testing import run_distributed
 
-NUM_UPDATES = 50
-WARMUP = 5
+WARMUP = 10  # allocator arenas (glibc, gloo threads) settle during the first updates
+MEASURED = 50
+NUM_UPDATES = WARMUP + MEASURED
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["gloo", "shm"])
-def test_fifty_updates_grow_rss_by_less_than_one_percent(backend: str, qwen3_a: Path, qwen3_b: Path) -> None:
+def test_fifty_consecutive_updates_grow_rss_by_less_than_one_percent(backend: str, qwen3_a: Path, qwen3_b: Path) -> None:
     results = run_distributed(repeated_updates, 2, backend, str(qwen3_a), str(qwen3_b), NUM_UPDATES, timeout_s=400)
     for rank, r in enumerate(results):
         rss = r["rss"]
         assert len(rss) == NUM_UPDATES
         growth = (rss[-1] - rss[WARMUP - 1]) / rss[WARMUP - 1]
-        assert growth <= 0.01, f"rank {rank}: RSS grew {growth:.2%} from update {WARMUP} to {NUM_UPDATES}"
+        assert growth <= 0.01, f"rank {rank}: RSS grew {growth:.2%} over updates {WARMUP}..{NUM_UPDATES}"
     fps = results[1]["fingerprints"]
     assert len(set(fps[0::2])) == 1 and len(set(fps[1::2])) == 1 and fps[0] != fps[1]

@@ -113,6 +113,7 @@ class WeightReceiver:
         self._seq = 0
         self._session: Any = None
         self._manifest: Manifest | None = None
+        self._manifests: dict[int, Manifest] = {}  # the last manifest received in full, by update seq
         self._channel: Channel | None = None
         self._plane: BroadcastReceiverPlane | SharedReceiverPlane | None = None
         self._buffers: list[torch.Tensor] = []
@@ -276,9 +277,21 @@ class WeightReceiver:
         return begin_update(self.model, manifest, **opts)
 
     def _on_start(self, header: ControlHeader, error: BaseException | None) -> Manifest:
-        assert self._channel is not None and header.manifest is not None
+        assert self._channel is not None
         self._seq = header.seq
-        manifest = Manifest.from_json(header.manifest)
+        if header.manifest is not None:
+            manifest = Manifest.from_json(header.manifest)
+            self._manifests[header.seq] = manifest
+            for old in [k for k in self._manifests if k != header.seq]:
+                del self._manifests[old]
+        else:
+            cached = self._manifests.get(header.reuse_manifest_of)  # type: ignore[arg-type]
+            if cached is None:
+                msg = (f"[rank {self.rank}] start_weight_update: the sender reuses the manifest of update "
+                       f"{header.reuse_manifest_of}, which this receiver does not hold")
+                self._channel.fail(msg)
+                raise TransportError(msg)
+            manifest = Manifest(cached.tensors, version=header.version)
         if self._session is not None:
             self._abort_session("a new update started before the previous one finished")
         if error is None:

@@ -108,6 +108,8 @@ class WeightSender:
         self._transfer_s = 0.0
         self._num_buckets = 0
         self._layouts: dict[tuple[int, int], BucketLayout] = {}
+        # (tensors as given, manifest as sent, update seq) of the last manifest every receiver accepted.
+        self._agreed_manifest: tuple[Any, Manifest, int] | None = None
         self._channel: Channel | None = None
         self._plane: BroadcastSenderPlane | SharedSenderPlane | None = None
         self._buffers: list[torch.Tensor] = []
@@ -209,10 +211,17 @@ class WeightSender:
         if not isinstance(manifest, Manifest):
             manifest = Manifest(tuple(manifest), version=version)
         version = version if version is not None else (manifest.version if manifest.version is not None else self._seq + 1)
-        manifest = Manifest(tuple(TensorMeta(m.name, m.dtype, m.shape) for m in manifest), version=version)
-        check_block_order(manifest.names)
-        for m in manifest:
-            dtype_to_str(m.dtype)  # every dtype must have a wire name
+        given = manifest.tensors
+        reuse = self._agreed_manifest
+        if reuse is not None and (given is reuse[0] or given == reuse[0]):
+            # The same tensors as an update every receiver already accepted: no re-encoding, no rebuild.
+            manifest = Manifest(reuse[1].tensors, version=version)
+        else:
+            reuse = None
+            manifest = Manifest(tuple(TensorMeta(m.name, m.dtype, m.shape) for m in given), version=version)
+            check_block_order(manifest.names)
+            for m in manifest:
+                dtype_to_str(m.dtype)  # every dtype must have a wire name
         self._seq += 1
         self._manifest, self._version, self._pos, self._call = manifest, version, 0, 0
         self._t_start = time.perf_counter()
@@ -227,7 +236,10 @@ class WeightSender:
         self._store.set(f"{PREFIX}/start/{self._seq}", "1")
         if self._seq > 1:
             self._store.delete_key(f"{PREFIX}/start/{self._seq - 1}")
-        header = ControlHeader(kind="start", seq=self._seq, version=version, manifest=manifest.to_json())
+        if reuse is not None:
+            header = ControlHeader(kind="start", seq=self._seq, version=version, reuse_manifest_of=reuse[2])
+        else:
+            header = ControlHeader(kind="start", seq=self._seq, version=version, manifest=manifest.to_json())
         self._channel.broadcast_bytes(header.to_json().encode(), "start_weight_update")
         statuses = self._channel.exchange_status(RankStatus(rank=0, ok=True, phase="start_weight_update"))
         self._state = "open"
@@ -235,7 +247,10 @@ class WeightSender:
             raise_agreed(statuses, "start_weight_update", self.world_size)
         except BaseException:
             self._state = "idle"
+            self._agreed_manifest = None
             raise
+        if reuse is None:
+            self._agreed_manifest = (given, manifest, self._seq)
         return manifest
 
     def _call_metas(self, names: Iterable[str] | None) -> tuple[int, int]:

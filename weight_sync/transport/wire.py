@@ -130,8 +130,10 @@ class Hello:
 class ControlHeader:
     """A phase announcement from the sender: 'start' (with the manifest), 'call', 'finish' or 'close'.
 
-    start: ``version`` and ``manifest`` (Manifest JSON). call: ``first`` and ``count`` select a run of
-    the manifest, ``num_buckets`` lets receivers cross-check their own layout of it.
+    start: ``version`` and ``manifest`` (Manifest JSON), or ``reuse_manifest_of``: the update whose
+    (agreed) manifest this one repeats, so an unchanged manifest is not re-encoded every step.
+    call: ``first`` and ``count`` select a run of the manifest, ``num_buckets`` lets receivers
+    cross-check their own layout of it.
     """
 
     kind: str
@@ -139,6 +141,7 @@ class ControlHeader:
     call: int = 0
     version: Any = None
     manifest: str | None = None
+    reuse_manifest_of: int | None = None
     first: int = 0
     count: int = 0
     num_buckets: int = 0
