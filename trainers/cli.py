@@ -47,3 +47,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "backend to engine worker processes (default gloo: trainer process + engine process)")
     p.add_argument("--workers", type=int, default=1, help="engine worker processes (transports other than inproc)")
     p.set_defaults(func=_run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m trainers.cli demo ...``: the demo without an installed ``weight-sync`` entry point."""
+    parser = argparse.ArgumentParser(prog="python -m trainers.cli")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -91,14 +91,16 @@ def _sequence_logprobs(model, full: torch.Tensor, prompt_len: int) -> torch.Tens
     return torch.log_softmax(logits, -1).gather(-1, targets[..., None]).squeeze(-1).sum(-1)
 
 
-def _fresh_fingerprint(model, config_dir: Path, scratch: Path, quantization: str | None) -> str:
+def _fresh_fingerprint(model, config_dir: Path, scratch: Path, quantization: str | None,
+                       device: str = "cpu") -> str:
     from safetensors.torch import save_file
 
     for f in ("config.json",):
         (scratch / f).write_bytes((config_dir / f).read_bytes())
     save_file({n: t.contiguous() for n, t in trainer_weights(model)}, str(scratch / "model.safetensors"))
+    # Built on the engines' device: online quantization is compared bitwise, on the hardware that ran it.
     return ReferenceEngine.from_checkpoint(
-        scratch, dtype=torch.bfloat16, quantization=quantization
+        scratch, dtype=torch.bfloat16, quantization=quantization, device=device
     ).fingerprint()
 
 
@@ -214,7 +216,8 @@ def _loop(config, trainer, opt, engine, workers, sender, manifest, targets, gen,
         sync_s = time.perf_counter() - t0
         match = None
         if config.verify:
-            expected = _fresh_fingerprint(trainer, ckpt, scratch, config.quantization)
+            device = "cpu" if workers is None else workers.devices[0]
+            expected = _fresh_fingerprint(trainer, ckpt, scratch, config.quantization, device)
             match = all(fp == expected for fp in fingerprints)
         res = StepResult(step + 1, float(rewards.mean()), sync_s, num_bytes, match)
         results.append(res)

@@ -69,6 +69,7 @@ class EngineProcesses:
         if num_workers < 1 or len(devices) != num_workers:
             raise ValueError(f"need num_workers >= 1 and one device per worker, got {num_workers}, {devices}")
         self.timeout_s = timeout_s
+        self.devices = list(devices)
         ctx = mp.get_context("spawn")
         self._conns, self._procs = [], []
         for i in range(num_workers):
