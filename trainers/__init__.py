@@ -4,7 +4,8 @@
 time in lockstep, sent from one rank) and ``CheckpointSource`` (a safetensors checkpoint) give a
 manifest from metadata and ``(name, tensor)`` in block order for a :class:`weight_sync.transport.WeightSender`.
 ``RolloutWorker`` wraps an engine behind vLLM's method names; ``RayRolloutClient`` fans one RPC per
-phase out to Ray actors while the weights travel over the transport.
+phase out to Ray actors while the weights travel over the transport; ``EngineProcesses`` does the same
+for local worker processes without Ray (JSON over pipes).
 
 Limitations: LoRA merge covers peft-style Linear and Embedding layers (not conv or DoRA); FSDPSource sends
 from one rank (no resharded multi-sender transfer); Ray is imported only by ``trainers.ray_client``.
@@ -14,16 +15,19 @@ This package imports weight_sync; weight_sync never imports it.
 from trainers.fsdp import FSDPSource
 from trainers.lora import LoraFactor, LoraLayerSpec, find_lora_layers, merge_lora
 from trainers.names import NameMap, UnmappedNameError, strip_wrappers
+from trainers.remote import EngineProcesses, RemoteWorkerError
 from trainers.rollout import RolloutWorker
 from trainers.sources import CheckpointSource, ModuleSource, SourceEntry
 
 __all__ = [
     "CheckpointSource",
+    "EngineProcesses",
     "FSDPSource",
     "LoraFactor",
     "LoraLayerSpec",
     "ModuleSource",
     "NameMap",
+    "RemoteWorkerError",
     "RolloutWorker",
     "SourceEntry",
     "UnmappedNameError",
