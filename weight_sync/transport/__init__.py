@@ -37,10 +37,10 @@ from weight_sync.transport.status import AgreedChecksumError, AgreedManifestErro
 
 __all__ = [
     "ALIGN_BYTES",
+    "BACKENDS",
     "AgreedChecksumError",
     "AgreedManifestError",
     "AgreedSourceError",
-    "BACKENDS",
     "Bucket",
     "BucketLayout",
     "Segment",
