@@ -51,3 +51,43 @@ def test_only_tensors_the_plan_writes_entirely_skip_the_zero_fill_and_padding_re
         assert torch.equal(model.full.seen, weights[0][1])
         assert torch.equal(model.padded.seen[:3], weights[1][1])
         assert torch.equal(model.padded.seen[3:], torch.zeros(2, 4))
+
+
+class Keeper(nn.Module):
+    """A processed layer; with ``keep`` its processor holds on to a view of its input (like a kernel that
+    wraps the weight without copying it), else it only records where its input lived."""
+
+    def __init__(self, keep: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(8, 4), requires_grad=False)
+        self.keep = keep
+
+    def process_weights_after_loading(self) -> None:
+        self.input_ptr = self.weight.data_ptr()
+        if self.keep:
+            self.kept = [self.weight.detach()]  # not a graph-visible tensor: hidden in a list
+        else:
+            self.packed = [self.weight.detach().clone()]
+
+
+class Stack(nn.Module):
+    def __init__(self, keeps: list[bool]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Keeper(k) for k in keeps)
+
+
+def test_staging_is_reused_across_layers_unless_a_processor_still_holds_it() -> None:
+    model = Stack([False, False, True, False, False])
+    record_metadata_for_reloading(model)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2):  # the first update makes the kernel tensors; the second copies into them
+        weights = [(f"layers.{i}.weight", torch.randn(8, 4, generator=g)) for i in range(5)]
+        with begin_update(model, Manifest.from_named_tensors(weights)) as session:
+            session.load(weights)
+    ptrs = [layer.input_ptr for layer in model.layers]
+    assert ptrs[1] == ptrs[0]  # layer 0's staging came back to the pool and served layer 1
+    assert ptrs[3] != ptrs[2]  # layer 2's processor still holds its input: never handed out again
+    assert torch.equal(model.layers[2].kept[0], weights[2][1])
+    for layer, (_, w) in zip(model.layers, weights):
+        if not layer.keep:
+            assert torch.equal(layer.packed[0], w)

@@ -72,6 +72,8 @@ class _OpenLayer:
     nbytes: int
     spilled: bool
     keys_seen: set[str] = field(default_factory=set)
+    # Raw staging buffers (and their pool keys), handed back for reuse once the layer is processed.
+    raw: dict[str, tuple[tuple, torch.Tensor]] = field(default_factory=dict)
 
 
 class UpdateSession:
@@ -115,6 +117,10 @@ class UpdateSession:
         self._open: dict[str, _OpenLayer] = {}
         self._touched: set[str] = set()
         self._snapshots: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        # Staging buffers of completed layers by (shape, stride, dtype, device, pinned): the next layer of
+        # the same layout reuses one that nothing else references any more, instead of faulting in
+        # fresh pages.
+        self._staging_pool: dict[tuple, list[torch.Tensor]] = {}
         # (module, initial attribute names, processor-created attributes before this update), for rollback.
         self._attr_snapshots: list[tuple[nn.Module, frozenset[str], dict[str, Any]]] = []
         self._processed_done: list[str] = []
@@ -375,14 +381,17 @@ class UpdateSession:
         # overwrite entirely skip it. Only when completion is by expected keys: then a processed layer
         # is never processed before every one of its keys (and so every recorded copy) has arrived.
         written = self.plan.fully_written(info.name, info.records) if self.expected is not None else frozenset()
-        staging = {
-            rec.name: rematerialize(
-                rec, where, pin=pin,
-                data=torch.empty_strided(rec.shape, rec.stride, dtype=rec.dtype, device=where, pin_memory=pin)
-                if rec.name in written else None,
-            )
-            for rec in info.records.values()
-        }
+        raw: dict[str, tuple[tuple, torch.Tensor]] = {}
+        for rec in info.records.values():
+            key = (rec.shape, rec.stride, rec.dtype, str(where), pin)
+            data = self._reusable(key)
+            if data is None:
+                data = torch.empty_strided(rec.shape, rec.stride, dtype=rec.dtype, device=where, pin_memory=pin)
+            if rec.name not in written:
+                data.zero_()
+            raw[rec.name] = (key, data)
+        staging = {rec.name: rematerialize(rec, where, pin=pin, data=raw[rec.name][1])
+                   for rec in info.records.values()}
         extra = {
             k: v for k, v in vars(mod).items()
             if k not in info.initial_attrs and not isinstance(v, torch.Tensor)
@@ -397,6 +406,7 @@ class UpdateSession:
             extra_attrs=extra,
             nbytes=nbytes,
             spilled=spill,
+            raw=raw,
         )
         # Back to model format: flags a processor set (e.g. "already processed") must not survive,
         # or the processor would skip the new weights.
@@ -467,9 +477,31 @@ class UpdateSession:
         if not ol.spilled:
             self._buffered -= ol.nbytes
         ol.staging.clear()
+        self._recycle(ol)
         self._processed_done.append(info.name)
         self._seconds["process"] += t1 - t0
         self._seconds["copy_back"] += time.perf_counter() - t1
+
+    def _recycle(self, ol: _OpenLayer) -> None:
+        """Retire a processed layer's staging buffers into the pool (reuse is decided when needed)."""
+        for key, data in ol.raw.values():
+            self._staging_pool.setdefault(key, []).append(data)
+        ol.raw.clear()
+
+    def _reusable(self, key: tuple) -> torch.Tensor | None:
+        """A retired buffer of this layout that nothing references any more, if there is one.
+
+        Ownership is checked at reuse, not at retirement: by then the views the loading code held
+        are gone, while a processor that kept its input (kernel state wrapping the weight, or the
+        kernel tensors of a first processing) still holds it, and that buffer is never handed out.
+        """
+        free = self._staging_pool.get(key)
+        if not free:
+            return None
+        for i, data in enumerate(free):
+            if _sole_owner(data):
+                return free.pop(i)
+        return None
 
     def _restore_objects(self, ol: _OpenLayer, *, keep_new_attrs: bool) -> None:
         mod = ol.info.module
@@ -631,6 +663,18 @@ class UpdateSession:
     def status(self) -> str:
         """'open', 'finished' or 'aborted'."""
         return self._status
+
+
+_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _sole_owner(t: torch.Tensor) -> bool:
+    """Whether ``t`` is the only tensor using its storage (so reusing the bytes cannot change anyone's
+    data). Without the counter (another torch build), nothing is reused."""
+    if _storage_use_count is None:
+        return False
+    # The temporary storage object made here holds one reference besides ``t``'s own.
+    return _storage_use_count(t.untyped_storage()._cdata) <= 2
 
 
 def _model_device(model: nn.Module) -> torch.device:
