@@ -31,39 +31,43 @@ step() {  # step NAME TIMEOUT_S CMD...: run, log to $OUT/NAME.log, print the tai
   echo "=== $name: rc=$rc in $((SECONDS - t0)) s"
   tail -n "${TAIL:-12}" "$LOGS/$name.log"
   [ $rc -eq 0 ] || status=1
+  pack  # after every step: a call cut short by its time limit still returns what finished
+}
+
+pack() {
+  if [ -n "${OUT:-}" ]; then
+    tar czf "$OUT/gpu_results.tgz" gpu_out $(ls benchmarks/results/*h200* 2>/dev/null) 2>/dev/null
+  fi
 }
 
 for phase in "${phases[@]}"; do
   case $phase in
     limits)
       if [ -f .shared_tools/gpu_limits.py ]; then
-        step limits_single 300 python3 .shared_tools/gpu_limits.py single
-        [ "$NGPU" -ge 2 ] && step limits_nccl 300 python3 .shared_tools/gpu_limits.py nccl
+        step limits_single 180 python3 .shared_tools/gpu_limits.py single
+        [ "$NGPU" -ge 2 ] && step limits_nccl 180 python3 .shared_tools/gpu_limits.py nccl
       fi ;;
     tests)
-      step tests_gpu 900 python3 -m pytest tests -m "gpu or multi_gpu" -q -p no:cacheprovider -rs ;;
+      step tests_gpu 540 python3 -m pytest tests -m "gpu or multi_gpu" -q -p no:cacheprovider -rs ;;
     reload)
-      step bench_reload_0.6b 600 python3 benchmarks/bench_reload.py --device cuda --preset qwen3-0.6b --tag h200_qwen3-0.6b --repeats 5
-      step bench_reload_8b 900 python3 benchmarks/bench_reload.py --device cuda --preset qwen3-8b --tag h200_qwen3-8b --repeats 3 --small-layers 2000 ;;
+      step bench_reload_0.6b 300 python3 benchmarks/bench_reload.py --device cuda --preset qwen3-0.6b --tag h200_qwen3-0.6b --repeats 5
+      step bench_reload_8b 420 python3 benchmarks/bench_reload.py --device cuda --preset qwen3-8b --tag h200_qwen3-8b --repeats 3 --small-layers 2000 ;;
     offload)
-      step bench_offload 900 python3 benchmarks/bench_offload.py --tag h200
-      step offload_demo 600 python3 -m weight_sync.cli offload-demo --device cuda --verify --dlo-no-use-allgather \
+      step bench_offload 480 python3 benchmarks/bench_offload.py --tag h200
+      step offload_demo 240 python3 -m weight_sync.cli offload-demo --device cuda --verify --dlo-no-use-allgather \
         --num-blocks 16 --hidden 3072 --heads 24 --in-channels 64 --tokens 4096 --steps 2 --dtype bfloat16 ;;
     transport)
-      if [ -f benchmarks/bench_transport.py ] && [ "$NGPU" -ge 2 ]; then
-        step bench_transport 900 python3 benchmarks/bench_transport.py --tag h200x2
-      fi ;;
+      step bench_transport_ipc 420 python3 benchmarks/bench_transport.py --backends ipc --tag h200
+      [ "$NGPU" -ge 2 ] && step bench_transport 540 python3 benchmarks/bench_transport.py --tag h200x2 ;;
     multi)
       if [ "$NGPU" -ge 2 ]; then
-        step bench_offload_dp2 900 python3 benchmarks/bench_offload.py --dp 2 --tag h200x2
-        step offload_demo_dp2 600 python3 -m weight_sync.cli offload-demo --device cuda --verify \
+        step bench_offload_dp2 420 python3 benchmarks/bench_offload.py --dp 2 --tag h200x2
+        step offload_demo_dp2 240 python3 -m weight_sync.cli offload-demo --device cuda --verify \
           --enable-distributed-layerwise-offload --data-parallel-size 2 --num-blocks 16 --hidden 3072 \
           --heads 24 --in-channels 64 --tokens 4096 --steps 2 --dtype bfloat16
       fi ;;
     *) echo "unknown phase $phase"; status=2 ;;
   esac
 done
-if [ -n "${OUT:-}" ]; then
-  tar czf "$OUT/gpu_results.tgz" gpu_out $(ls benchmarks/results/*h200* 2>/dev/null)
-fi
+pack
 exit $status
