@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -51,6 +52,7 @@ def server(vllm_ckpts: dict[str, Path], fresh_tokens) -> Iterator[str]:
         pytest.fail("the vLLM server exited during startup:\n" + "".join(log[-40:]))
     drain = threading.Thread(target=lambda: [log.append(x) for x in proc.stdout], daemon=True)  # type: ignore[union-attr]
     drain.start()
+    _wait_listening(port)
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -60,6 +62,21 @@ def server(vllm_ckpts: dict[str, Path], fresh_tokens) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def _wait_listening(port: int, timeout_s: float = 60.0) -> None:
+    """Uvicorn logs startup before its socket accepts connections; connect until it does (bounded).
+
+    The wait polls another process's socket (there is nothing of ours to synchronize with)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            threading.Event().wait(0.1)
 
 
 def _completions(url: str, model: str) -> list[list[int]]:
