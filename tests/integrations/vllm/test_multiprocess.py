@@ -57,3 +57,27 @@ def test_pushes_over_gloo_from_this_trainer_process_reach_the_worker_process(llm
         assert client.weight_version() == "12"
         assert client.last_report()[0]["version"] == 12
         assert client.status() == [{"torn": None, "version": 12, "updating": False}]
+
+
+def test_a_killed_trainer_makes_every_request_finish_with_an_error_until_a_good_push(
+    llm, vllm_ckpts, fresh_tokens
+) -> None:
+    from vllm import SamplingParams
+
+    from tests.integrations.vllm.test_transfer import Trainer
+    from weight_sync.integrations.vllm import LLMControl, WeightSyncClient
+
+    dying = Trainer([("die", vllm_ckpts["b"])])
+    llm.init_weight_transfer_engine({"init_info": {"address": dying.address}})
+    llm.start_weight_update()
+    with pytest.raises(Exception, match=r"update_weights: receive of bucket"):
+        llm.update_weights({"update_info": {}})
+    assert dying.join() == -9
+    assert "update 1 failed: TransportError" in llm.collective_rpc("ws_status")[0]["torn"]
+    [out] = llm.generate(["hello"], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert out.outputs[0].finish_reason == "error" and list(out.outputs[0].token_ids) == []
+    with WeightSyncClient(LLMControl(llm)) as client:
+        client.connect()
+        client.push(dict(checkpoint_items(vllm_ckpts["b"])), version=21)
+    assert llm.collective_rpc("ws_status")[0]["torn"] is None
+    assert greedy(llm) == fresh_tokens["b"]
