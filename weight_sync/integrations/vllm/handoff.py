@@ -124,7 +124,7 @@ def share_weights(
                 host = tensor.detach().to("cpu").contiguous()
                 raw = host.reshape(-1).view(torch.uint8)
                 if raw.numel():
-                    f.write(memoryview(raw.numpy()))
+                    f.write(raw.numpy().data)
                 metas.append(TensorMeta(name, host.dtype, tuple(host.shape)))
                 offsets.append(offset)
                 offset += raw.numel()
@@ -193,7 +193,7 @@ class HandoffReader:
         else:
             # A private mapping: the workers never write, and the page cache is shared with the writer.
             storage = torch.UntypedStorage.from_file(str(data), shared=False, nbytes=size)
-            flat = torch.empty(0, dtype=torch.uint8).set_(storage)  # type: ignore[call-overload]
+            flat = torch.empty(0, dtype=torch.uint8).set_(storage)  # type: ignore[call-overload, arg-type]
         for meta, offset in zip(self.manifest, self._offsets):
             end = offset + meta.nbytes
             if end > size:

@@ -94,14 +94,14 @@ def _declare_processors(model: nn.Module, dtype: torch.dtype) -> None:
             register_direct_method(name)
     for mod in model.modules():
         if is_deferred_attention_layer(mod):
-            mod.ws_processor = _AttentionProcessor(dtype)
+            mod.ws_processor = _AttentionProcessor(dtype)  # type: ignore[assignment]
             continue
         qm = getattr(mod, "quant_method", None)
         if not isinstance(qm, QuantizeMethodBase):
             continue
         if current_platform.is_cuda_alike() and type(qm).__name__ in _NOOP_ON_CUDA:
             continue  # direct path (registered above)
-        mod.ws_processor = _process_with_quant_method
+        mod.ws_processor = _process_with_quant_method  # type: ignore[assignment]
 
 
 def _record(model: nn.Module, dtype: torch.dtype) -> None:
@@ -109,10 +109,12 @@ def _record(model: nn.Module, dtype: torch.dtype) -> None:
     wrapped: list[tuple[torch.Tensor, Callable[..., Any]]] = []
     for mod in model.modules():
         for p in list(mod._parameters.values()) + list(mod._buffers.values()):
-            loader = getattr(p, "weight_loader", None) if p is not None else None
+            if p is None:
+                continue
+            loader = getattr(p, "weight_loader", None)
             if loader is not None and _unwrap_loader(loader) is not loader:
                 wrapped.append((p, loader))
-                p.weight_loader = _unwrap_loader(loader)  # type: ignore[union-attr]
+                p.weight_loader = _unwrap_loader(loader)  # type: ignore[attr-defined]
     try:
         weight_sync.record_metadata_for_reloading(model)
     finally:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -131,9 +131,8 @@ class WeightSyncWorkerMixin:
                     model, weights_iterator=weights_iterator, manifest=manifest, **update_opts
                 )
             else:
-                report = weight_sync.reload_weights(
-                    model, weights_iterator=weights_iterator, **update_opts
-                )
+                stream = cast(Iterable[tuple[str, torch.Tensor]], weights_iterator)
+                report = weight_sync.reload_weights(model, weights_iterator=stream, **update_opts)
         if weights_path is not None:
             # vLLM's convention: a later argument-less reload reads the checkpoint loaded last.
             self.model_config.model = str(weights_path)
