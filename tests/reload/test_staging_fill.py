@@ -91,3 +91,36 @@ def test_staging_is_reused_across_layers_unless_a_processor_still_holds_it() -> 
     for layer, (_, w) in zip(model.layers, weights):
         if not layer.keep:
             assert torch.equal(layer.packed[0], w)
+
+
+class PaddedVocab(nn.Module):
+    """A processed layer whose loader zero-fills padding rows after the copy, as vLLM's vocab loader does."""
+
+    def __init__(self, rows: int, pad: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(rows + pad, 4), requires_grad=False)
+        self.weight.weight_loader = self.load
+
+    def load(self, param: torch.Tensor, loaded: torch.Tensor) -> None:
+        param[: loaded.shape[0]].data.copy_(loaded)
+        param[loaded.shape[0] :].data.fill_(0)
+
+    def process_weights_after_loading(self) -> None:
+        self.seen = self.weight.detach().clone()
+
+
+def test_a_zero_fill_of_an_empty_padding_slice_does_not_force_the_real_loader() -> None:
+    model = nn.Module()
+    model.unpadded = PaddedVocab(6, 0)
+    model.padded = PaddedVocab(6, 2)
+    record_metadata_for_reloading(model)
+    g = torch.Generator().manual_seed(0)
+    weights = [("unpadded.weight", torch.randn(6, 4, generator=g)), ("padded.weight", torch.randn(6, 4, generator=g))]
+    with begin_update(model, Manifest.from_named_tensors(weights)) as session:
+        session.load(weights)
+    plan = get_state(model).plan
+    assert plan is not None
+    assert plan.keys["unpadded.weight"].mode == "copy"  # the fill wrote nothing: plain replayed copies
+    assert plan.keys["padded.weight"].mode == "loader"  # a real fill: the loader stays the fallback
+    assert torch.equal(model.unpadded.seen, weights[0][1])
+    assert torch.equal(model.padded.seen, torch.cat([weights[1][1], torch.zeros(2, 4)]))

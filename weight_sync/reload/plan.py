@@ -183,7 +183,9 @@ class _Recorder(TorchDispatchMode):
         if self.key is not None and _is_mutating(func) and args and isinstance(args[0], torch.Tensor):
             dst = args[0]
             target = self.storages.get(dst.untyped_storage()._cdata)
-            if target is not None:
+            # A write into an empty view changes nothing (vLLM's vocab loader zero-fills the padding
+            # rows past the checkpoint's, which is an empty slice when there is no padding).
+            if target is not None and dst.numel() > 0:
                 src = args[1] if len(args) > 1 and isinstance(args[1], torch.Tensor) else None
                 if (
                     func is torch.ops.aten.copy_.default
