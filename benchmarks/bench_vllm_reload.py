@@ -5,10 +5,11 @@ memory is measurable) with identical engine settings on a ~30M-parameter Qwen3 (
 vLLM engine whose ``collective_rpc("reload_weights", weights_iterator=...)`` runs vLLM's layerwise reload,
 and one built with ``engine_kwargs()`` where the same call runs weight_sync. Each update alternates between
 checkpoints A and B (so every update really changes the weights), engines alternate within a round, the
-source tensors are preloaded into memory before timing, and ``malloc_trim`` returns freed heap first, so
-the only memory a call adds is its own buffering. Peak memory is the growth of the kernel's RSS high-water
-mark (reset through /proc/self/clear_refs) over RSS at the call; with preloaded sources and no files
-mapped during the call that growth is anonymous memory. Both orders are measured: checkpoint (block)
+source tensors are preloaded into memory. Time is measured in steady state (repeated updates, the heap
+keeping what earlier updates freed); memory in a separate pass where ``malloc_trim`` returns freed heap
+before each call, so the only memory a call adds is its own. Peak memory is the growth of the kernel's
+RSS high-water mark (reset through /proc/self/clear_refs) over RSS at the call; with preloaded sources and
+no files mapped during the call that growth is anonymous memory. Both orders are measured: checkpoint (block)
 order, and the same tensors reversed.
 
     python benchmarks/bench_vllm_reload.py [--repeats 7] [--preset bench]
@@ -62,13 +63,40 @@ def _tokens(llm: Any) -> list[int]:
     return list(out[0].outputs[0].token_ids)
 
 
-def _reload(llm: Any, items: list[tuple[str, torch.Tensor]]) -> tuple[float, int]:
+class _RepackClock:
+    """Seconds spent in vLLM's oneDNN weight repacking (``create_onednn_mm``), the cost both share."""
+
+    def __init__(self) -> None:
+        from vllm import _custom_ops as ops
+
+        self.seconds = 0.0
+        original = ops.create_onednn_mm
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t
+
+        ops.create_onednn_mm = timed  # looked up at call time by vLLM's CPU GEMM dispatch
+
+
+def _timed_reload(llm: Any, items: list[tuple[str, torch.Tensor]], clock: _RepackClock) -> tuple[float, float]:
+    """Wall seconds of one update in steady state (the heap keeps what earlier updates freed), and the
+    part of them spent repacking."""
+    repack0 = clock.seconds
+    t = time.perf_counter()
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
+    return time.perf_counter() - t, clock.seconds - repack0
+
+
+def _measured_reload(llm: Any, items: list[tuple[str, torch.Tensor]]) -> int:
+    """Peak RSS growth of one update, from a trimmed heap (so reuse of earlier frees hides nothing)."""
     _malloc_trim()
     with PeakMemory(torch.device("cpu")) as peak:
-        t = time.perf_counter()
         llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
-        seconds = time.perf_counter() - t
-    return seconds, peak.peak_extra_bytes
+    return peak.peak_extra_bytes
 
 
 def main() -> None:
@@ -96,8 +124,11 @@ def main() -> None:
     }
     orders = {"block order": lambda xs: xs, "reversed": lambda xs: xs[::-1]}
     results: dict[str, dict[str, dict[str, list[float]]]] = {
-        order: {name: {"seconds": [], "peak_bytes": []} for name in engines} for order in orders
+        order: {name: {"seconds": [], "repack_seconds": [], "peak_bytes": []} for name in engines}
+        for order in orders
     }
+    torch_threads = torch.get_num_threads()  # what the engines serve with (vLLM lowers it in-process)
+    clock = _RepackClock()
     first_update_ms: dict[str, float] = {}
     for order, arrange in orders.items():
         # Two untimed updates per engine and order: the first reload (weight_sync builds its plan by a
@@ -107,13 +138,19 @@ def main() -> None:
             llm.collective_rpc("reload_weights", kwargs={"weights_iterator": arrange(sources["b"])})
             first_update_ms.setdefault(name, (time.perf_counter() - t) * 1e3)
             llm.collective_rpc("reload_weights", kwargs={"weights_iterator": arrange(sources["a"])})
-        for i in range(args.repeats):
+        # Time and memory are separate passes: trimming the heap before a call (needed to see a
+        # call's own memory) makes it fault in fresh pages, which is not what repeated updates cost.
+        for i in range(2 * args.repeats):
             target = "b" if i % 2 == 0 else "a"
             names = list(engines) if i % 2 == 0 else list(engines)[::-1]
             for name in names:
-                s, peak = _reload(engines[name], arrange(sources[target]))
-                results[order][name]["seconds"].append(s)
-                results[order][name]["peak_bytes"].append(peak)
+                items = arrange(sources[target])
+                if i < args.repeats:
+                    seconds, repack = _timed_reload(engines[name], items, clock)
+                    results[order][name]["seconds"].append(seconds)
+                    results[order][name]["repack_seconds"].append(repack)
+                else:
+                    results[order][name]["peak_bytes"].append(_measured_reload(engines[name], items))
         for llm in engines.values():  # end every order on A
             llm.collective_rpc("reload_weights", kwargs={"weights_iterator": sources["a"]})
 
@@ -127,8 +164,7 @@ def main() -> None:
         llm.llm_engine.engine_core.shutdown()
 
     env = environment()
-    env.update(vllm=vllm.__version__, weight_sync=weight_sync.__version__,
-               torch_threads=torch.get_num_threads())
+    env.update(vllm=vllm.__version__, weight_sync=weight_sync.__version__, torch_threads=torch_threads)
     rows = []
     for order in orders:
         ours, theirs = results[order]["weight_sync"], results[order]["vllm"]
@@ -136,6 +172,8 @@ def main() -> None:
             "order": order,
             "ours_ms": median(ours["seconds"]) * 1e3,
             "vllm_ms": median(theirs["seconds"]) * 1e3,
+            "ours_repack_ms": median(ours["repack_seconds"]) * 1e3,
+            "vllm_repack_ms": median(theirs["repack_seconds"]) * 1e3,
             "ours_peak_mb": median(ours["peak_bytes"]) / 1e6,
             "vllm_peak_mb": median(theirs["peak_bytes"]) / 1e6,
             "ours_peak_max_mb": max(ours["peak_bytes"]) / 1e6,
@@ -157,8 +195,9 @@ def main() -> None:
         f"tensors per update, from an in-memory iterator through `collective_rpc(\"reload_weights\")`. Two "
         f"in-process engines with identical settings `{ENGINE_ARGS}`; the weight_sync engine adds only "
         f"`engine_kwargs()` (defaults: no rollback, no fingerprint). Medians of {args.repeats} updates per "
-        "engine and order, alternating checkpoints A/B and engine order; peak = growth of the RSS high-water "
-        "mark over RSS at the call (anonymous memory: sources preloaded, heap trimmed before each call). "
+        "engine and order, alternating checkpoints A/B and engine order. Time: steady state (repeated "
+        "updates). Peak: a separate pass of as many updates, each from a trimmed heap; growth of the RSS "
+        "high-water mark over RSS at the call (anonymous memory: sources preloaded, no file mapped). "
         "Goal: time <= 0.7x, memory <= 1.0x.",
         "",
         "| order | weight_sync ms | vLLM ms | time ratio | weight_sync peak MB | vLLM peak MB | memory ratio |",
@@ -172,6 +211,15 @@ def main() -> None:
             f"{r['vllm_peak_mb']:.1f} (max {r['vllm_peak_max_mb']:.1f}) | **{mem}** |"
         )
     lines += [
+        "",
+        "oneDNN weight repacking inside those updates (vLLM's CPU GEMM dispatch, the same work on both "
+        "engines): " + "; ".join(
+            f"{r['order']}: weight_sync {r['ours_repack_ms']:.1f} ms, vLLM {r['vllm_repack_ms']:.1f} ms"
+            for r in rows
+        ) + ". Time outside repacking: " + "; ".join(
+            f"{r['order']}: {(r['ours_ms'] - r['ours_repack_ms']) / (r['vllm_ms'] - r['vllm_repack_ms']):.2f}x"
+            for r in rows
+        ) + ".",
         "",
         f"First update on each engine (one-time; weight_sync builds its plan by a dry run of vLLM's "
         f"loaders on meta tensors): weight_sync {first_update_ms['weight_sync']:.0f} ms, "
