@@ -422,6 +422,8 @@ def main(argv: list[str] | None = None) -> int:
     args.trace_tokens = args.trace_tokens if args.trace_tokens is not None else (4096 if gpu else args.tokens[0])
     tag = args.tag or ("gpu" if gpu else "cpu")
     if gpu:
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     else:
         # One intra-op thread: OpenMP barriers on a shared, oversubscribed host turn 2-thread kernels

@@ -47,16 +47,16 @@ class Fp8Config:
             raise ConfigError(f"Fp8Config.block_size must be two positive ints, got {self.block_size!r}")
 
 
-def _block_amax(w: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
+def _blocks(w: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
+    """``w`` zero-padded to whole tiles, viewed as (row tiles, bn, col tiles, bk), in fp32."""
     n, k = w.shape
     nb, kb = -(-n // bn), -(-k // bk)
-    padded = F.pad(w.abs().float(), (0, kb * bk - k, 0, nb * bn - n))
-    return padded.view(nb, bn, kb, bk).amax(dim=(1, 3))
+    return F.pad(w.float(), (0, kb * bk - k, 0, nb * bn - n)).view(nb, bn, kb, bk)
 
 
-def _expand_blocks(scale: torch.Tensor, shape: tuple[int, int], bn: int, bk: int) -> torch.Tensor:
-    n, k = shape
-    return scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+def _unblock(t: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    nb, bn, kb, bk = t.shape
+    return t.reshape(nb * bn, kb * bk)[: shape[0], : shape[1]]
 
 
 def quantize_fp8(
@@ -76,9 +76,11 @@ def quantize_fp8(
         scale = wf.abs().amax(dim=1).clamp(min=_EPS) / FP8_MAX
         full = scale[:, None]
     else:
-        bn, bk = config.block_size
-        scale = _block_amax(wf, bn, bk).clamp(min=_EPS) / FP8_MAX
-        full = _expand_blocks(scale, tuple(w.shape), bn, bk)
+        # Tiles are broadcast views of one padded copy: no per-element scale tensor is materialized.
+        tiles = _blocks(wf, *config.block_size)
+        scale = tiles.abs().amax(dim=(1, 3)).clamp(min=_EPS) / FP8_MAX
+        q = _unblock((tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX), tuple(w.shape))
+        return q.to(torch.float8_e4m3fn).contiguous(), scale.contiguous()
     q = (wf / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q.contiguous(), scale.contiguous()
 
@@ -88,12 +90,11 @@ def dequantize_fp8(
 ) -> torch.Tensor:
     """Inverse of :func:`quantize_fp8` (up to rounding), in ``dtype``."""
     if config.granularity == "tensor":
-        full = scale
-    elif config.granularity == "channel":
-        full = scale[:, None]
-    else:
-        full = _expand_blocks(scale, tuple(q.shape), *config.block_size)
-    return (q.float() * full).to(dtype)
+        return (q.float() * scale).to(dtype)
+    if config.granularity == "channel":
+        return (q.float() * scale[:, None]).to(dtype)
+    tiles = _blocks(q, *config.block_size)
+    return _unblock(tiles * scale[:, None, :, None], tuple(q.shape)).to(dtype)
 
 
 class Fp8LinearMethod(OnlineQuantLinearMethod):

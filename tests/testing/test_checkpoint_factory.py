@@ -1,0 +1,74 @@
+"""make_checkpoint writes what transformers loads, with odd sizes and a round-tripping tokenizer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from weight_sync.errors import ConfigError
+from weight_sync.safetensors_io import read_header
+from weight_sync.testing import make_checkpoint, run_distributed
+from weight_sync.testing.distributed import DistributedFailure
+
+
+def test_checkpoint_has_config_weights_and_a_tokenizer_that_round_trips(tmp_path: Path) -> None:
+    tokenizers = pytest.importorskip("tokenizers")
+    path = make_checkpoint(tmp_path / "c", arch="llama", tie_word_embeddings=True)
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["tie_word_embeddings"] is True
+    names = set(read_header(path / "model.safetensors"))
+    assert "lm_head.weight" not in names and "model.layers.1.mlp.down_proj.weight" in names
+    tok = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+    assert tok.decode(tok.encode("3 4 = 12").ids) == "3 4 = 12"
+    assert tok.get_vocab_size() == 1024
+
+
+def test_config_overrides_reach_config_and_shapes(tmp_path: Path) -> None:
+    path = make_checkpoint(tmp_path / "odd", hidden_size=96, num_attention_heads=3, head_dim=32,
+                           num_key_value_heads=1, tokenizer=False)
+    hdr = read_header(path / "model.safetensors")
+    assert hdr["model.layers.0.self_attn.q_proj.weight"].shape == (96, 96)
+    assert hdr["model.layers.0.self_attn.k_proj.weight"].shape == (32, 96)
+
+
+def test_unknown_arch_or_preset_is_rejected_with_the_choices(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"arch must be one of \['llama', 'qwen3'\]"):
+        make_checkpoint(tmp_path / "x", arch="gpt2")
+    with pytest.raises(ConfigError, match="preset must be one of"):
+        make_checkpoint(tmp_path / "x", preset="huge")
+
+
+def _ok(rank: int, world: int) -> int:
+    return rank * 10 + world
+
+
+def _boom(rank: int, world: int) -> None:
+    if rank == 1:
+        raise ValueError("rank one exploded")
+
+
+def _hang(rank: int, world: int) -> None:
+    import threading
+
+    import torch.distributed as dist
+
+    if rank == 0:
+        dist.barrier()  # waits for rank 1, which is stuck
+    else:
+        threading.Event().wait()  # a rank that never returns
+
+
+def test_run_distributed_returns_results_by_rank() -> None:
+    assert run_distributed(_ok, 2) == [2, 12]
+
+
+def test_run_distributed_raises_with_the_failing_ranks_traceback() -> None:
+    with pytest.raises(DistributedFailure, match=r"rank 1 of 2 failed:(.|\n)*rank one exploded"):
+        run_distributed(_boom, 2)
+
+
+def test_run_distributed_times_out_instead_of_hanging() -> None:
+    with pytest.raises(DistributedFailure, match=r"ranks \[0, 1\] did not finish within 8 s"):
+        run_distributed(_hang, 2, timeout_s=8)
