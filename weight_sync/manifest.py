@@ -100,7 +100,7 @@ class TensorMeta:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+        return self.numel * self.dtype.itemsize
 
     @classmethod
     def of(cls, name: str, tensor: torch.Tensor, *, checksum: bool = False) -> TensorMeta:

@@ -96,7 +96,7 @@ def map_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     flat = torch.empty(0, dtype=torch.uint8).set_(storage)  # type: ignore[call-overload]
     out: dict[str, torch.Tensor] = {}
     for name, e in entries.items():
-        elem = torch.empty((), dtype=e.dtype).element_size()
+        elem = e.dtype.itemsize
         nbytes = e.end - e.begin
         numel = 1
         for d in e.shape:

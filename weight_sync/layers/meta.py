@@ -46,7 +46,7 @@ class TensorRecord:
         n = 1
         for d in self.shape:
             n *= d
-        return n * torch.empty((), dtype=self.dtype).element_size()
+        return n * self.dtype.itemsize
 
 
 def _tensor_attrs(t: torch.Tensor) -> dict[str, Any]:

@@ -30,7 +30,7 @@ def strided_view(
     """
     if base.dtype != torch.uint8 or base.dim() != 1:
         raise ValueError(f"base must be a 1-D uint8 tensor, got {tuple(base.shape)} {base.dtype}")
-    elem = torch.empty((), dtype=dtype).element_size()
+    elem = dtype.itemsize
     if byte_offset % elem:
         raise ValueError(f"byte_offset {byte_offset} is not a multiple of {dtype} element size {elem}")
     if any(d == 0 for d in shape):

@@ -57,6 +57,7 @@ class LayerInfo:
     # False until the layer has been processed once: its live tensors are then model format (or meta)
     # and the processor's outputs become the kernel tensors instead of being copied into them.
     processed: bool = False
+    _nbytes: int | None = None
 
     @property
     def direct(self) -> bool:
@@ -64,7 +65,9 @@ class LayerInfo:
 
     @property
     def model_format_bytes(self) -> int:
-        return records_nbytes(self.records)
+        if self._nbytes is None:
+            self._nbytes = records_nbytes(self.records)
+        return self._nbytes
 
 
 @dataclass(slots=True)
