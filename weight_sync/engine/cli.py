@@ -34,7 +34,7 @@ def _run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     engine = ReferenceEngine.from_checkpoint(
         path, dtype=_DTYPES[args.dtype] if args.dtype else None, device=args.device,
-        quantization=args.quantization,
+        quantization=args.quantization, progress=True,
     )
     load_s = time.perf_counter() - t0
     prompts = args.prompt or ["3 4 = "]

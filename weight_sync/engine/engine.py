@@ -78,6 +78,7 @@ class ReferenceEngine:
         max_seq_len: int = 512,
         use_cuda_graph: bool = True,
         load_weights: bool = True,
+        progress: bool = False,
     ) -> ReferenceEngine:
         """Build the model from ``path/config.json`` and load ``path``'s safetensors through reload.
 
@@ -95,7 +96,9 @@ class ReferenceEngine:
         )
         engine.checkpoint_path = path
         if load_weights:
-            engine.last_report = reload_weights(engine.model, weights_path=path, version="initial")
+            engine.last_report = reload_weights(
+                engine.model, weights_path=path, version="initial", progress=progress
+            )
         return engine
 
     @classmethod

@@ -84,12 +84,14 @@ def reload_weights(
     weights_path: str | os.PathLike | None = None,
     weights_iterator: Iterable[tuple[str, torch.Tensor]] | None = None,
     manifest: Manifest | None = None,
+    progress: bool = False,
     **options: Any,
 ) -> UpdateReport:
     """Update ``model`` from a safetensors checkpoint (mapped, streamed in block order) or an iterable.
 
     From a path the manifest comes from the file headers, so the whole checkpoint is validated before the
-    first write. Options are those of :func:`begin_update`.
+    first write. ``progress`` shows a progress bar over the tensors (on a terminal). Options are those
+    of :func:`begin_update`.
     """
     if (weights_path is None) == (weights_iterator is None):
         raise ValueError("reload_weights needs exactly one of weights_path or weights_iterator")
@@ -105,6 +107,11 @@ def reload_weights(
     else:
         assert weights_iterator is not None
         source = weights_iterator
+    if progress:
+        from tqdm.auto import tqdm
+
+        total = len(session.manifest) if session.manifest is not None else None
+        source = tqdm(source, total=total, unit="tensor", desc="loading weights", leave=False)
     with session:
         last = None
         it = iter(source)

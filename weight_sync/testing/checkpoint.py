@@ -183,8 +183,14 @@ def make_checkpoint(
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    from tqdm.auto import tqdm
+
     cfg = hf_config(arch, preset, dtype, **config_overrides)
-    tensors = {n: t.contiguous() for n, t in random_weights(cfg, seed=seed, dtype=dtype)}
+    count = 2 + cfg["num_hidden_layers"] * 11 + (0 if cfg.get("tie_word_embeddings") else 1)
+    # A bar only where it takes seconds (the 0.6B/8B-shaped presets), and only on a terminal.
+    weights = tqdm(random_weights(cfg, seed=seed, dtype=dtype), total=count, unit="tensor",
+                   desc=f"generating {arch}/{preset}", leave=False, disable=None if count > 100 else True)
+    tensors = {n: t.contiguous() for n, t in weights}
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(cfg, indent=1))
     (path / "generation_config.json").write_text(json.dumps(
