@@ -13,6 +13,7 @@ import logging
 import sys
 from collections.abc import Sequence
 from importlib import metadata
+from typing import Any
 
 __all__ = ["build_parser", "main"]
 
@@ -24,8 +25,8 @@ BUILTIN_COMMAND_MODULES = (
 )
 
 
-def _command_modules() -> list[object]:
-    mods = []
+def _command_modules() -> list[Any]:
+    mods: list[Any] = []
     for name in BUILTIN_COMMAND_MODULES:
         try:
             mods.append(importlib.import_module(name))

@@ -93,7 +93,7 @@ def map_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     entries = read_header(path)
     size = path.stat().st_size
     storage = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=size)
-    flat = torch.empty(0, dtype=torch.uint8).set_(storage)  # type: ignore[call-overload]
+    flat = torch.empty(0, dtype=torch.uint8).set_(storage)  # type: ignore[call-overload,arg-type]
     out: dict[str, torch.Tensor] = {}
     for name, e in entries.items():
         elem = e.dtype.itemsize
@@ -145,12 +145,12 @@ def checkpoint_files(path: str | os.PathLike) -> list[Path]:
                 f"{path}: model.safetensors.index.json names files that do not exist: {missing}"
             )
         return [path / f for f in files]
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
+    found = sorted(path.glob("*.safetensors"))
+    if not found:
         raise WeightSyncError(
             f"{path}: no *.safetensors files (expected model.safetensors or a sharded index)"
         )
-    return files
+    return found
 
 
 def iter_checkpoint(

@@ -232,7 +232,7 @@ class ReferenceEngine:
     def _ensure_static(self) -> dict[str, torch.Tensor]:
         if self._cache is None:
             c = self.config
-            kv_local = self.model.model.layers[0].self_attn.num_kv_heads
+            kv_local = self.model.num_local_kv_heads
             self._cache = KVCache(
                 c.num_hidden_layers, self.max_batch_size, kv_local, self.max_seq_len, c.head_dim,
                 c.dtype, self.device,

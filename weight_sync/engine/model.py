@@ -59,6 +59,7 @@ class Rotary(nn.Module):
     def __init__(self, head_dim: int, theta: float, device: torch.device | str) -> None:
         super().__init__()
         inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", inv.to(device), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -225,6 +226,13 @@ class CausalLM(nn.Module):
             layer_cache = None if cache is None else (cache.k[i], cache.v[i])
             h = layer(h, cos, sin, mask, layer_cache, slots)
         return self.model.norm(h)
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        """KV heads held by this rank (whole heads; replicated when there are fewer heads than ranks)."""
+        attn = self.model.layers[0].self_attn
+        assert isinstance(attn, Attention)
+        return attn.num_kv_heads
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.logits(hidden)

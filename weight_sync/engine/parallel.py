@@ -114,7 +114,11 @@ class LinearBase(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.apply(self, x, self.bias)
+        return self.quant_method.apply(self, x, self._bias())
+
+    def _bias(self) -> torch.Tensor | None:
+        b = self._parameters.get("bias")
+        return None if b is None else b
 
 
 class ColumnParallelLinear(LinearBase):
@@ -235,7 +239,8 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.quant_method.apply(self, x, None)
         out = self.tp.all_reduce(out)
-        return out if self.bias is None else out + self.bias
+        bias = self._bias()
+        return out if bias is None else out + bias
 
 
 def pad_vocab(vocab_size: int, tp_size: int, multiple: int = 64) -> int:

@@ -57,7 +57,7 @@ def _tensor_attrs(t: torch.Tensor) -> dict[str, Any]:
 def capture_layer(layer: nn.Module) -> dict[str, TensorRecord]:
     """Record the model-format metadata of every tensor ``layer`` owns directly."""
     records: dict[str, TensorRecord] = {}
-    non_persistent = getattr(layer, "_non_persistent_buffers_set", set())
+    non_persistent: set[str] = getattr(layer, "_non_persistent_buffers_set", set())
     for name, p in layer._parameters.items():
         if p is None:
             continue

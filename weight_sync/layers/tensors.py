@@ -29,7 +29,7 @@ __all__ = [
 def graph_visible_tensors(layer: nn.Module) -> dict[str, torch.Tensor]:
     """The tensors ``layer`` itself owns (not its children): parameters, buffers, tensor attributes."""
     # Comprehensions over the three dicts: this runs for every module twice per update.
-    out = {k: v for k, v in layer._parameters.items() if v is not None}
+    out: dict[str, torch.Tensor] = {k: v for k, v in layer._parameters.items() if v is not None}
     if layer._buffers:
         out.update({k: v for k, v in layer._buffers.items() if v is not None})
     attrs = {k: v for k, v in layer.__dict__.items() if isinstance(v, torch.Tensor)}

@@ -18,10 +18,19 @@ from torch import nn
 __all__ = [
     "LinearMethod",
     "UnquantizedLinearMethod",
+    "layer_tensor",
     "make_weight_param",
 ]
 
 WeightLoader = Callable[..., None]
+
+
+def layer_tensor(layer: nn.Module, name: str) -> torch.Tensor:
+    """``layer.<name>`` as a tensor (typed: nn.Module attribute access is untyped)."""
+    t = getattr(layer, name)
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{type(layer).__name__}.{name} is {type(t).__name__}, expected a tensor")
+    return t
 
 
 def make_weight_param(
@@ -93,4 +102,4 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.register_parameter("weight", weight)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias)
+        return F.linear(x, layer_tensor(layer, "weight"), bias)

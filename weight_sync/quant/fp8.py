@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from weight_sync.errors import ConfigError
+from weight_sync.quant.base import layer_tensor
 from weight_sync.quant.online import OnlineQuantLinearMethod, reduce_max
 
 __all__ = [
@@ -79,7 +80,7 @@ def quantize_fp8(
         # Tiles are broadcast views of one padded copy: no per-element scale tensor is materialized.
         tiles = _blocks(wf, *config.block_size)
         scale = tiles.abs().amax(dim=(1, 3)).clamp(min=_EPS) / FP8_MAX
-        q = _unblock((tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX), tuple(w.shape))
+        q = _unblock((tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX), (w.shape[0], w.shape[1]))
         return q.to(torch.float8_e4m3fn).contiguous(), scale.contiguous()
     q = (wf / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q.contiguous(), scale.contiguous()
@@ -94,7 +95,7 @@ def dequantize_fp8(
     if config.granularity == "channel":
         return (q.float() * scale[:, None]).to(dtype)
     tiles = _blocks(q, *config.block_size)
-    return _unblock(tiles * scale[:, None, :, None], tuple(q.shape)).to(dtype)
+    return _unblock(tiles * scale[:, None, :, None], (q.shape[0], q.shape[1])).to(dtype)
 
 
 class Fp8LinearMethod(OnlineQuantLinearMethod):
@@ -110,7 +111,7 @@ class Fp8LinearMethod(OnlineQuantLinearMethod):
         return quantize_fp8(weight, self.config, group)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        q, scale = layer.weight, layer.weight_scale
+        q, scale = layer_tensor(layer, "weight"), layer_tensor(layer, "weight_scale")
         n, k = q.shape
         if (
             x.is_cuda

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from weight_sync.errors import ConfigError
+from weight_sync.quant.base import layer_tensor
 from weight_sync.quant.online import OnlineQuantLinearMethod
 
 __all__ = ["Int8Config", "Int8LinearMethod", "dequantize_int8", "quantize_int8"]
@@ -55,4 +56,5 @@ class Int8LinearMethod(OnlineQuantLinearMethod):
         return quantize_int8(weight)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, dequantize_int8(layer.weight, layer.weight_scale, x.dtype), bias)
+        q, scale = layer_tensor(layer, "weight"), layer_tensor(layer, "weight_scale")
+        return F.linear(x, dequantize_int8(q, scale, x.dtype), bias)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from weight_sync.quant.base import LinearMethod, WeightLoader, make_weight_param
+from weight_sync.quant.base import LinearMethod, WeightLoader, layer_tensor, make_weight_param
 
 __all__ = ["OnlineQuantLinearMethod"]
 
@@ -47,7 +47,6 @@ class OnlineQuantLinearMethod(LinearMethod):
             output_dim=0,
         )
         layer.register_parameter("weight", weight)
-        layer.ws_compute_device = torch.device(device)
 
     def quantize(
         self, weight: torch.Tensor, group: dist.ProcessGroup | None
@@ -56,7 +55,7 @@ class OnlineQuantLinearMethod(LinearMethod):
         raise NotImplementedError
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        w = layer.weight
+        w = layer_tensor(layer, "weight")
         if w.dtype in (torch.float8_e4m3fn, torch.int8):
             return  # already kernel format: processing twice would quantize quantized bytes
         q, scale = self.quantize(w.detach(), getattr(layer, "tp_group", None))

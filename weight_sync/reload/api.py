@@ -141,7 +141,7 @@ def initialize_layerwise_reload(model: nn.Module, **options: Any) -> UpdateSessi
 
     # The session's own fallback calls the class's load_weights, never this instance attribute.
     model.__dict__["_ws_saved_load_weights"] = original
-    model.load_weights = load_weights  # type: ignore[method-assign]
+    model.__dict__["load_weights"] = load_weights
     return session
 
 

@@ -270,13 +270,13 @@ def _dry_run(
     problems: dict[str, WeightSyncError] = {}
     load = model_load_weights(model)
     with swapped_tensors(layers) as storages:
-        bases = {}
+        bases: dict[tuple[str, str], int] = {}
         for info in layers:
             for name in info.records:
-                t = info.module._parameters.get(name)
+                t: torch.Tensor | None = info.module._parameters.get(name)
                 if t is None:
                     t = info.module._buffers.get(name)
-                bases[(info.name, name)] = t.storage_offset() if t is not None else 0
+                bases[(info.name, name)] = int(t.storage_offset()) if t is not None else 0
         rec = _Recorder(storages, bases)
         pending = list(metas)
         while pending:

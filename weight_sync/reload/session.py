@@ -194,12 +194,12 @@ class UpdateSession:
             for layer in kp.layers:
                 info = self.state.layers[layer]
                 if not info.direct:
-                    lacking = self.plan.layer_keys.get(layer, set()) - announced
-                    if lacking:
+                    layer_lacking = self.plan.layer_keys.get(layer, set()) - announced
+                    if layer_lacking:
                         problems.setdefault(
                             f"<layer {layer}>",
                             f"layer {layer} needs processing and so needs all of its tensors; "
-                            f"the manifest lacks {_names(lacking)}",
+                            f"the manifest lacks {_names(layer_lacking)}",
                         )
         if problems:
             first = list(problems.values())
@@ -335,8 +335,11 @@ class UpdateSession:
         if ol is not None:
             return ol.staging[op.tensor]
         mod = self.state.layers[op.layer].module
-        t = mod._parameters.get(op.tensor)
-        return t if t is not None else mod._buffers[op.tensor]
+        t: torch.Tensor | None = mod._parameters.get(op.tensor)
+        if t is None:
+            t = mod._buffers[op.tensor]
+        assert t is not None  # the plan only records tensors the layer owns
+        return t
 
     def _prepare(self, layer: str) -> None:
         """Make ``layer`` ready to receive data: snapshot (rollback) a direct layer, open a processed one."""
@@ -678,12 +681,12 @@ def _sole_owner(t: torch.Tensor) -> bool:
 
 
 def _model_device(model: nn.Module) -> torch.device:
-    for t in model.parameters():
-        if t.device.type != "meta":
-            return t.device
-    for t in model.buffers():
-        if t.device.type != "meta":
-            return t.device
+    for p in model.parameters():
+        if p.device.type != "meta":
+            return p.device
+    for b in model.buffers():
+        if b.device.type != "meta":
+            return b.device
     return torch.device("cpu")
 
 

@@ -83,7 +83,7 @@ class ModelState:
     post_update_hooks: list[Callable[[nn.Module], None]] = field(default_factory=list)
     # Destination views of planned keys into direct layers, reused across updates while the
     # signatures taken at the end of the last update still hold.
-    views: dict[str, list[Any]] = field(default_factory=dict)
+    views: dict[str, Any] = field(default_factory=dict)
     last_signatures: dict[str, Any] = field(default_factory=dict)
 
     def largest_block_bytes(self) -> int:
