@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -74,6 +75,7 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._base = torch.cuda.memory_allocated(self.device)
         else:
+            _malloc_trim()  # return freed heap first, or reuse of earlier frees would hide the region's peak
             Path("/proc/self/clear_refs").write_text("5")
             self._base = rss_bytes()
         return self
@@ -84,6 +86,15 @@ class PeakMemory:
             self.peak_extra_bytes = torch.cuda.max_memory_allocated(self.device) - self._base
         else:
             self.peak_extra_bytes = max(0, _status_kb("VmHWM") * 1024 - self._base)
+
+
+def _malloc_trim() -> None:
+    import ctypes
+    import gc
+
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to trim
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def timed(fn: Callable[[], Any], device: torch.device, repeats: int, warmup: int = 1) -> list[float]:

@@ -49,10 +49,13 @@ class Fp8Config:
 
 
 def _blocks(w: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
-    """``w`` zero-padded to whole tiles, viewed as (row tiles, bn, col tiles, bk), in fp32."""
+    """``w`` zero-padded to whole tiles (a copy only when padding is needed), viewed as
+    (row tiles, bn, col tiles, bk), in ``w``'s dtype."""
     n, k = w.shape
     nb, kb = -(-n // bn), -(-k // bk)
-    return F.pad(w.float(), (0, kb * bk - k, 0, nb * bn - n)).view(nb, bn, kb, bk)
+    if (nb * bn, kb * bk) != (n, k):
+        w = F.pad(w, (0, kb * bk - k, 0, nb * bn - n))
+    return w.reshape(nb, bn, kb, bk)
 
 
 def _unblock(t: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
@@ -60,29 +63,43 @@ def _unblock(t: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
     return t.reshape(nb * bn, kb * bk)[: shape[0], : shape[1]]
 
 
+def _f32_copy(t: torch.Tensor) -> torch.Tensor:
+    # Always a copy: .float() on an fp32 tensor returns the tensor itself, and it is scaled in place.
+    return t.to(torch.float32, copy=True)
+
+
+def _absmax(t: torch.Tensor, dim: int | tuple[int, ...] | None = None) -> torch.Tensor:
+    """max |t| in fp32 without materializing |t|: max(max, -min) is exact in every float dtype."""
+    if dim is None:
+        return torch.maximum(t.max(), -t.min()).float()
+    return torch.maximum(t.amax(dim=dim), -t.amin(dim=dim)).float()
+
+
 def quantize_fp8(
     w: torch.Tensor,
     config: Fp8Config,
     group: dist.ProcessGroup | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize a 2-D weight to fp8 e4m3; returns (qweight, fp32 scale) with ``w ~= q * scale``."""
+    """Quantize a 2-D weight to fp8 e4m3; returns (qweight, fp32 scale) with ``w ~= q * scale``.
+
+    Peak temporary memory is one fp32 copy of the weight (scaled and clamped in place).
+    """
     if w.dim() != 2:
         raise ConfigError(f"fp8 quantization needs a 2-D weight, got shape {tuple(w.shape)}")
-    wf = w.float()
     if config.granularity == "tensor":
-        amax = reduce_max(wf.abs().amax().reshape(1), group)
+        amax = reduce_max(_absmax(w).reshape(1), group)
         scale = amax.clamp(min=_EPS) / FP8_MAX
-        full = scale
+        scaled = _f32_copy(w).div_(scale)
     elif config.granularity == "channel":
-        scale = wf.abs().amax(dim=1).clamp(min=_EPS) / FP8_MAX
-        full = scale[:, None]
+        scale = _absmax(w, 1).clamp(min=_EPS) / FP8_MAX
+        scaled = _f32_copy(w).div_(scale[:, None])
     else:
-        # Tiles are broadcast views of one padded copy: no per-element scale tensor is materialized.
-        tiles = _blocks(wf, *config.block_size)
-        scale = tiles.abs().amax(dim=(1, 3)).clamp(min=_EPS) / FP8_MAX
-        q = _unblock((tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX), (w.shape[0], w.shape[1]))
-        return q.to(torch.float8_e4m3fn).contiguous(), scale.contiguous()
-    q = (wf / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        # Tiles are views of (at most) one padded copy; the scale broadcasts over each tile.
+        tiles = _blocks(w, *config.block_size)
+        scale = _absmax(tiles, (1, 3)).clamp(min=_EPS) / FP8_MAX
+        scaled_tiles = _f32_copy(tiles).div_(scale[:, None, :, None])
+        scaled = _unblock(scaled_tiles, (w.shape[0], w.shape[1]))
+    q = scaled.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q.contiguous(), scale.contiguous()
 
 
@@ -94,8 +111,8 @@ def dequantize_fp8(
         return (q.float() * scale).to(dtype)
     if config.granularity == "channel":
         return (q.float() * scale[:, None]).to(dtype)
-    tiles = _blocks(q, *config.block_size)
-    return _unblock(tiles * scale[:, None, :, None], (q.shape[0], q.shape[1])).to(dtype)
+    tiles = _blocks(q.float(), *config.block_size)
+    return _unblock(tiles.mul_(scale[:, None, :, None]), (q.shape[0], q.shape[1])).to(dtype)
 
 
 class Fp8LinearMethod(OnlineQuantLinearMethod):

@@ -32,9 +32,10 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a 2-D weight to int8 with one fp32 scale per row; ``w ~= q * scale[:, None]``."""
     if w.dim() != 2:
         raise ConfigError(f"int8 quantization needs a 2-D weight, got shape {tuple(w.shape)}")
-    wf = w.float()
-    scale = wf.abs().amax(dim=1).clamp(min=1e-12) / 127.0
-    q = torch.round(wf / scale[:, None]).clamp(-128, 127).to(torch.int8)
+    # max(max, -min) avoids materializing |w|; one fp32 copy is scaled, rounded and clamped in place.
+    scale = torch.maximum(w.amax(dim=1), -w.amin(dim=1)).float().clamp(min=1e-12) / 127.0
+    scaled = w.to(torch.float32, copy=True).div_(scale[:, None])
+    q = scaled.round_().clamp_(-128, 127).to(torch.int8)
     return q.contiguous(), scale.contiguous()
 
 
