@@ -68,13 +68,23 @@ def test_checkpoint_mmap_streams_pinned_in_place_within_the_budget(reference) ->
     pipe = _fresh()
     load_host_weights(pipe.transformer, ckpt, _config())
     expected = ref.generate(tokens=8, num_inference_steps=3)
-    with enable_layerwise_offload(pipe, _config()) as handle:
+    with enable_layerwise_offload(pipe, _config(pin_in_place_budget_bytes=1 << 30)) as handle:
         assert torch.equal(pipe.generate(tokens=8, num_inference_steps=3), expected)
         m = handle.metrics()
     assert (m["host_weights_source"], m["host_storage"]) == ("checkpoint_mmap", "pinned_in_place")
     assert m["pinned_bytes"] == (ckpt / "model.safetensors").stat().st_size
     assert m["mapped_bytes"] == m["host_bytes"] > 0
     assert m["num_fallbacks"] == 0
+
+
+def test_pinning_in_place_is_off_unless_a_budget_is_given(reference) -> None:
+    ref, ckpt = reference
+    pipe = _fresh()
+    load_host_weights(pipe.transformer, ckpt, _config())
+    with enable_layerwise_offload(pipe, _config()) as handle:
+        assert torch.equal(pipe.generate(tokens=8, num_inference_steps=3),
+                           ref.generate(tokens=8, num_inference_steps=3))
+        assert handle.metrics()["host_storage"] == "staged"
 
 
 def test_checkpoint_mmap_over_the_pin_budget_stages_through_two_buffers(reference) -> None:

@@ -8,7 +8,6 @@ here, with the reason, before any model is touched.
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -22,13 +21,6 @@ __all__ = [
 ]
 
 DEFAULT_RUNTIME_CACHE_DIR = "~/.cache/weight-sync/dlo-runtime-weights"
-
-
-def _physical_memory_bytes() -> int:
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):
-        return 0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -49,8 +41,10 @@ class OffloadConfig:
       ``tensor_parallel_size``: TP world size; ranks are laid out ``((dp * usp) + sp) * tp + tp_rank``.
       ``use_hsdp`` / ``quantization``: declared so that invalid combinations are rejected.
       ``device``: where blocks run (default: ``cuda`` when available, else ``cpu``).
-      ``pin_in_place_budget_bytes``: the most mmap'd checkpoint bytes to pin in place (default: half of
-        physical memory; 0 disables pinning in place and stages through two pinned slots instead).
+      ``pin_in_place_budget_bytes``: the most mmap'd checkpoint bytes to pin in place. Default 0 (off:
+        mmap'd blocks stage through two pinned slots): on the H200 test hosts (Firecracker VMs) the
+        read-only in-place registration hung the process on 2026-11-30, so it is opt-in until that is
+        understood; pass a budget (e.g. half of physical memory) to enable it.
       ``alignment_bytes``: byte alignment of every tensor inside a slot (kernels and SIMD paths).
       ``transfer_timeout_s``: the longest the compute thread waits for a transfer to be submitted.
       ``trace``: record a per-block timeline (compute / H2D / AllGather); ``trace_capacity`` spans.
@@ -163,10 +157,10 @@ class OffloadConfig:
         return "cuda" if torch.cuda.is_available() else "cpu"
 
     def resolved_pin_budget_bytes(self) -> int:
-        """The pin-in-place budget in bytes (default: half of physical memory)."""
+        """The pin-in-place budget in bytes (default 0: opt-in, see ``pin_in_place_budget_bytes``)."""
         if self.pin_in_place_budget_bytes is not None:
             return self.pin_in_place_budget_bytes
-        return _physical_memory_bytes() // 2
+        return 0
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> OffloadConfig:
