@@ -11,7 +11,6 @@ unchanged. The weights themselves never pass through these calls: they travel ov
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -21,6 +20,7 @@ import torch
 from weight_sync.engine import ReferenceEngine
 from weight_sync.errors import ConfigError, UpdateStateError
 from weight_sync.transport import WeightReceiver
+from weight_sync.transport.group import node_address
 
 __all__ = ["RPC_METHODS", "RolloutWorker", "node_address"]
 
@@ -37,21 +37,6 @@ RPC_METHODS = (
     "start_weight_update",
     "update_weights",
 )
-
-
-def node_address() -> str:
-    """This node's IP as Ray sees it when Ray is running, else the host name's address."""
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address()
-    except ImportError:
-        pass
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
 
 
 def _report_dict(report: Any) -> dict[str, Any]:

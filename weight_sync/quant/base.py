@@ -57,6 +57,10 @@ class LinearMethod:
     #: Human-readable name used in reports and errors.
     name: str = "linear"
 
+    #: Where the model-format weight is created: None = the layer's device; "meta" = materialized
+    #: layer by layer by the first load (online quantization never holds a full-precision model).
+    model_format_device: str | None = None
+
     def create_weights(
         self,
         layer: nn.Module,
@@ -67,7 +71,16 @@ class LinearMethod:
         weight_loader: WeightLoader,
         device: torch.device | str,
     ) -> None:
-        raise NotImplementedError
+        """Register the model-format ``weight`` (rows = the fused output partitions) with its loader."""
+        weight = make_weight_param(
+            (sum(output_partition_sizes), input_size_per_partition),
+            params_dtype,
+            self.model_format_device or device,
+            weight_loader,
+            input_dim=1,
+            output_dim=0,
+        )
+        layer.register_parameter("weight", weight)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Turn model-format tensors into kernel format (no-op for unquantized layers)."""
@@ -80,26 +93,6 @@ class UnquantizedLinearMethod(LinearMethod):
     """Plain ``F.linear`` on a weight in the model's dtype; kernel format equals model format."""
 
     name = "unquantized"
-
-    def create_weights(
-        self,
-        layer: nn.Module,
-        *,
-        input_size_per_partition: int,
-        output_partition_sizes: list[int],
-        params_dtype: torch.dtype,
-        weight_loader: WeightLoader,
-        device: torch.device | str,
-    ) -> None:
-        weight = make_weight_param(
-            (sum(output_partition_sizes), input_size_per_partition),
-            params_dtype,
-            device,
-            weight_loader,
-            input_dim=1,
-            output_dim=0,
-        )
-        layer.register_parameter("weight", weight)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x, layer_tensor(layer, "weight"), bias)

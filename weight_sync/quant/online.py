@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from weight_sync.quant.base import LinearMethod, WeightLoader, layer_tensor, make_weight_param
+from weight_sync.quant.base import LinearMethod, layer_tensor
 
 __all__ = ["OnlineQuantLinearMethod"]
 
@@ -26,27 +26,9 @@ class OnlineQuantLinearMethod(LinearMethod):
 
     requires_processing = True
 
-    def create_weights(
-        self,
-        layer: nn.Module,
-        *,
-        input_size_per_partition: int,
-        output_partition_sizes: list[int],
-        params_dtype: torch.dtype,
-        weight_loader: WeightLoader,
-        device: torch.device | str,
-    ) -> None:
-        # Model format lives on meta until the first load materializes it layer by layer: a quantized
-        # engine never holds a full-precision copy of the whole model.
-        weight = make_weight_param(
-            (sum(output_partition_sizes), input_size_per_partition),
-            params_dtype,
-            "meta",
-            weight_loader,
-            input_dim=1,
-            output_dim=0,
-        )
-        layer.register_parameter("weight", weight)
+    # Model format lives on meta until the first load materializes it layer by layer: a quantized
+    # engine never holds a full-precision copy of the whole model.
+    model_format_device = "meta"
 
     def quantize(
         self, weight: torch.Tensor, group: dist.ProcessGroup | None

@@ -10,7 +10,7 @@ session until ``finalize_layerwise_processing(model)`` commits it.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -26,6 +26,7 @@ from weight_sync.safetensors_io import checkpoint_files, iter_checkpoint, read_h
 __all__ = [
     "begin_update",
     "finalize_layerwise_processing",
+    "guarded_source",
     "initialize_layerwise_reload",
     "manifest_from_checkpoint",
     "record_metadata_for_reloading",
@@ -113,21 +114,28 @@ def reload_weights(
         total = len(session.manifest) if session.manifest is not None else None
         source = tqdm(source, total=total, unit="tensor", desc="loading weights", leave=False)
     with session:
-        last = None
-        it = iter(source)
-        while True:
-            try:
-                item = next(it)
-            except StopIteration:
-                break
-            except WeightSyncError:
-                raise
-            except Exception as e:
-                where = f"after {last!r}" if last else "before the first tensor"
-                raise SourceError(f"the weights source failed {where}: {type(e).__name__}: {e}") from e
+        for item in guarded_source(source):
             session.load((item,))
-            last = item[0]
         return session.finish()
+
+
+def guarded_source(source: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """Yield ``source``'s items; a failure of the source itself becomes a SourceError naming the last
+    tensor it produced (errors weight_sync raised on purpose pass through unchanged)."""
+    last = None
+    it = iter(source)
+    while True:
+        try:
+            item = next(it)
+        except StopIteration:
+            return
+        except WeightSyncError:
+            raise
+        except Exception as e:
+            where = f"after {last!r}" if last else "before the first tensor"
+            raise SourceError(f"the weights source failed {where}: {type(e).__name__}: {e}") from e
+        yield item
+        last = item[0]
 
 
 def initialize_layerwise_reload(model: nn.Module, **options: Any) -> UpdateSession:

@@ -59,6 +59,23 @@ def poll(done: Callable[[], bool], deadline: Deadline, on_timeout: Callable[[], 
         sleep = min(0.002, sleep * 2 if sleep else 0.00002)
 
 
+def node_address() -> str:
+    """This node's IP as Ray sees it when Ray is running, else the host name's address (or loopback).
+
+    Ray is looked up only if the caller already imported it: weight_sync never imports ray itself.
+    """
+    import socket
+    import sys
+
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        return str(ray.util.get_node_ip_address())
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
 def host_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
     """Start the rendezvous store (port 0 lets the OS pick a free port)."""
     try:

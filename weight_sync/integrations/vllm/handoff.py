@@ -27,10 +27,9 @@ from weight_sync.errors import (
     DuplicateTensorError,
     LayoutMismatchError,
     ManifestError,
-    SourceError,
-    WeightSyncError,
 )
 from weight_sync.manifest import Manifest, TensorMeta, dtype_from_str, dtype_to_str
+from weight_sync.reload.api import guarded_source
 
 __all__ = [
     "HANDLE_KEY",
@@ -100,19 +99,8 @@ def share_weights(
         offsets: list[int] = []
         seen: set[str] = set()
         offset = 0
-        last: str | None = None
         with open(path / "data.bin", "wb") as f:
-            it = iter(weights)
-            while True:
-                try:
-                    item = next(it)
-                except StopIteration:
-                    break
-                except WeightSyncError:
-                    raise
-                except Exception as e:
-                    where = f"after {last!r}" if last else "before the first tensor"
-                    raise SourceError(f"the weights source failed {where}: {type(e).__name__}: {e}") from e
+            for item in guarded_source(weights):
                 name, tensor = _check_item(item)
                 if name in seen:
                     raise DuplicateTensorError(f"{name}: appears twice in the weights to share")
@@ -128,7 +116,6 @@ def share_weights(
                 metas.append(TensorMeta(name, host.dtype, tuple(host.shape)))
                 offsets.append(offset)
                 offset += raw.numel()
-                last = name
         manifest = Manifest(tuple(metas), version=version)
         doc = {
             "format": _FORMAT,

@@ -15,11 +15,11 @@ Limitation: one receiver per actor, so each actor's engine must have a single wo
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Callable
 from typing import Any
 
 from weight_sync.errors import ConfigError
+from weight_sync.transport.group import node_address
 
 __all__ = ["RPC_METHODS", "VLLMRolloutWorker"]
 
@@ -36,20 +36,6 @@ RPC_METHODS = (
     "status",
     "update_weights",
 )
-
-
-def _node_address() -> str:
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address()
-    except ImportError:
-        pass
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
 
 
 class VLLMRolloutWorker:
@@ -73,7 +59,7 @@ class VLLMRolloutWorker:
 
     def get_address(self) -> dict[str, Any]:
         """Where the engine runs (the client hosts the transport's store where every actor reaches it)."""
-        return {"host": _node_address(), "pid": os.getpid(), "device": str(self.llm.llm_engine.vllm_config.device_config.device),
+        return {"host": node_address(), "pid": os.getpid(), "device": str(self.llm.llm_engine.vllm_config.device_config.device),
                 "tp_rank": 0, "tp_size": 1}
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> dict[str, Any]:
