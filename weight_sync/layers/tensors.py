@@ -8,6 +8,7 @@ checks it after an update.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import NamedTuple
 
@@ -26,13 +27,29 @@ __all__ = [
 ]
 
 
+_ATTR_CACHE: weakref.WeakKeyDictionary[nn.Module, tuple[int, tuple[str, ...]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 def graph_visible_tensors(layer: nn.Module) -> dict[str, torch.Tensor]:
     """The tensors ``layer`` itself owns (not its children): parameters, buffers, tensor attributes."""
-    # Comprehensions over the three dicts: this runs for every module twice per update.
+    # This runs for every module twice per update, so the scan of a module's (often large) __dict__
+    # for tensor attributes is cached: while the dict keeps its size and the remembered names still
+    # hold tensors, only those names are read. Adding or removing an attribute triggers a rescan.
     out: dict[str, torch.Tensor] = {k: v for k, v in layer._parameters.items() if v is not None}
     if layer._buffers:
         out.update({k: v for k, v in layer._buffers.items() if v is not None})
-    attrs = {k: v for k, v in layer.__dict__.items() if isinstance(v, torch.Tensor)}
+    d = layer.__dict__
+    cached = _ATTR_CACHE.get(layer)
+    attrs: dict[str, torch.Tensor] | None = None
+    if cached is not None and cached[0] == len(d):
+        attrs = {k: d[k] for k in cached[1] if isinstance(d.get(k), torch.Tensor)}
+        if len(attrs) != len(cached[1]):
+            attrs = None
+    if attrs is None:
+        attrs = {k: v for k, v in d.items() if isinstance(v, torch.Tensor)}
+        _ATTR_CACHE[layer] = (len(d), tuple(attrs))
     if attrs:
         out.update({k: v for k, v in attrs.items() if not k.startswith("_ws_") and k not in out})
     return out
