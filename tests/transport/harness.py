@@ -98,13 +98,16 @@ def sync_end_to_end(rank: int, world: int, backend: str, ckpt_a: str, ckpt_b: st
 
 
 def _flip_byte_in_bucket(receiver: WeightReceiver, bucket: int) -> None:
-    """Corrupt one payload byte of ``bucket`` after it arrived and before it is verified (a bad wire)."""
+    """Corrupt one payload byte of ``bucket`` after it arrived and before it is checked (a bad wire).
+
+    Only rank 1 flips: with shm every receiver maps the same buffer, and two flips would cancel out.
+    """
     plane = receiver._plane
     real_wait = plane.wait
 
-    def wait(k: int, i: int) -> Any:
-        out = real_wait(k, i)
-        if k == bucket:
+    def wait(k: int, i: int, host: bool = True) -> Any:
+        out = real_wait(k, i, host)
+        if k == bucket and receiver.rank == 1:
             receiver._buffers[i][100] ^= 0x5A
         return out
 

@@ -20,18 +20,28 @@ _MASK32 = 0xFFFFFFFF
 _weights: dict[torch.device, torch.Tensor] = {}
 
 
-def _column_weights(device: torch.device) -> torch.Tensor:
+def _weight_rows(device: torch.device) -> torch.Tensor:
+    """int64 [2, 65521]: a row of ones (plain sum) and the column weights 1..65521 (weighted sum)."""
     w = _weights.get(device)
     if w is None:
-        w = torch.arange(1, _PERIOD + 1, dtype=torch.int64, device=device)
+        # Made on the device itself: no host->device copy (and so no synchronization) on first use.
+        ones = torch.ones(_PERIOD, dtype=torch.int64, device=device)
+        w = torch.stack([ones, torch.arange(1, _PERIOD + 1, dtype=torch.int64, device=device)])
         _weights[device] = w
     return w
 
 
-def bucket_checksum(data: torch.Tensor) -> torch.Tensor:
+def bucket_checksum(data: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Return int64 ``[hi, lo]`` (the two 32-bit sums) for a 1-D uint8 tensor of 4-byte multiple length.
 
-    ``checksum_value(result, data.numel())`` equals ``tensor_checksum(data)``.
+    ``checksum_value(result, data.numel())`` equals ``tensor_checksum(data)``. With ``out`` (an int64
+    tensor of 2 elements, e.g. two trailer words) the result is written there on the current stream and
+    ``out`` is returned: nothing is read back to the host.
+
+    Few kernels on purpose (this runs once per bucket on each side): the words are summed as signed int32
+    (congruent mod 2**32 to the unsigned words); both sums come from one multiply by the [2, 65521]
+    weight rows and one row reduction, in int64 without overflow (|column sum| < 2**31, weights <= 65521,
+    65521 columns: < 2**63), and only the final mask takes them mod 2**32.
     """
     if data.dtype != torch.uint8 or data.dim() != 1:
         raise ValueError(f"bucket_checksum needs a 1-D uint8 tensor, got {tuple(data.shape)} {data.dtype}")
@@ -40,22 +50,22 @@ def bucket_checksum(data: torch.Tensor) -> torch.Tensor:
     words = data.view(torch.int32)
     n = words.numel()
     rows = n // _PERIOD
-    weights = _column_weights(data.device)
-    s1 = torch.zeros((), dtype=torch.int64, device=data.device)
-    s2 = torch.zeros((), dtype=torch.int64, device=data.device)
-    if rows:
-        # int32 accumulation output: the reduction accumulates in int64 and wraps on the final cast,
-        # which is exactly the column sum mod 2**32 without materializing an int64 copy of the data.
-        cols = words[: rows * _PERIOD].view(rows, _PERIOD).sum(dim=0, dtype=torch.int32)
-        cols = cols.to(torch.int64) & _MASK32
-        s1 = s1 + cols.sum()
-        s2 = s2 + (cols * weights).sum()
     tail = n - rows * _PERIOD
+    weights = _weight_rows(data.device)
+    acc: torch.Tensor | None = None
+    if rows:
+        # int32 accumulation output: the reduction accumulates wider and wraps on the final cast, which
+        # is exactly the column sum mod 2**32 without materializing an int64 copy of the data.
+        cols = words[: rows * _PERIOD].view(rows, _PERIOD).sum(dim=0, dtype=torch.int32)
+        acc = (cols * weights).sum(dim=1)
     if tail:
-        t = words[rows * _PERIOD :].to(torch.int64) & _MASK32
-        s1 = s1 + t.sum()
-        s2 = s2 + (t * weights[:tail]).sum()
-    return torch.stack([s1 & _MASK32, s2 & _MASK32])
+        part = (words[rows * _PERIOD :] * weights[:, :tail]).sum(dim=1)
+        acc = part if acc is None else acc.add_(part)
+    if acc is None:
+        return out.zero_() if out is not None else torch.zeros(2, dtype=torch.int64, device=data.device)
+    if out is not None:
+        return torch.bitwise_and(acc, _MASK32, out=out)
+    return acc.bitwise_and_(_MASK32)
 
 
 def checksum_value(halves: tuple[int, int] | list[int] | torch.Tensor, nbytes: int) -> int:

@@ -11,9 +11,13 @@ from dataclasses import dataclass
 
 from weight_sync.errors import ConfigError
 
-__all__ = ["ALIGN_BYTES", "BACKENDS", "TransportConfig"]
+__all__ = ["ALIGN_BYTES", "BACKENDS", "VERIFY_MODES", "TransportConfig"]
 
 BACKENDS = ("disk", "gloo", "ipc", "nccl", "shm")
+# "deferred": each bucket's trailer and checksum are compared on the device into a per-call table that the
+# host reads once, after the call's last bucket; "before_load": each bucket is read back and checked before
+# any of it is loaded (one device->host round trip per bucket).
+VERIFY_MODES = ("deferred", "before_load")
 # Every tensor starts on a 256-byte boundary inside a bucket: typed views of any dtype are aligned and
 # device copies use full-width loads.
 ALIGN_BYTES = 256
@@ -29,7 +33,11 @@ class TransportConfig:
     directory). bucket_bytes: payload bytes per bucket; buckets hold complete blocks in block order and
     a block larger than a bucket spans several. num_buffers: buffers per side, allocated once (2 lets
     packing of bucket k+1 overlap the transfer of bucket k). timeout_s: bound on every blocking wait.
-    checksum: compare an on-device checksum of every bucket end to end. device: where the sender's
+    checksum: compare an on-device checksum of every bucket end to end. verify: when receivers act on the
+    trailer and checksum of a bucket: 'deferred' (default; compared on the device while later buckets
+    keep flowing, read back once per update_weights call: a corrupt bucket may already be loaded when it is
+    detected, but the update is then never committed) or 'before_load' (read back and checked before a
+    byte of the bucket is loaded: one device->host synchronization per bucket). device: where the sender's
     buffers live (default: the current CUDA device for nccl/ipc, the CPU otherwise). host/port: where the
     rendezvous store listens (port 0: the OS picks one). directory: the disk backend's root.
     shm_dir: where shm buffers are created (a tmpfs). keep_versions: updates the disk backend keeps.
@@ -40,6 +48,7 @@ class TransportConfig:
     num_buffers: int = 2
     timeout_s: float = 120.0
     checksum: bool = True
+    verify: str = "deferred"
     device: str | None = None
     host: str = "127.0.0.1"
     port: int = 0
@@ -61,6 +70,8 @@ class TransportConfig:
             raise ConfigError(f"num_buffers must be an int in [2, 8], got {self.num_buffers!r}")
         if not (isinstance(self.timeout_s, (int, float)) and math.isfinite(self.timeout_s) and self.timeout_s > 0):
             raise ConfigError(f"timeout_s must be a positive finite number, got {self.timeout_s!r}")
+        if self.verify not in VERIFY_MODES:
+            raise ConfigError(f"verify must be one of {list(VERIFY_MODES)}, got {self.verify!r}")
         if not isinstance(self.port, int) or not 0 <= self.port < 65536:
             raise ConfigError(f"port must be in [0, 65536), got {self.port!r}")
         if self.backend == "disk" and not self.directory:

@@ -28,6 +28,11 @@ from weight_sync.transport.wire import STATUS_SLOT_BYTES, RankStatus
 
 __all__ = ["Channel", "Deadline", "host_store", "join_store", "make_group", "poll"]
 
+# Control messages (headers) travel in one broadcast of this many bytes (an 8-byte length, then the first
+# bytes of the message); only a longer message (a manifest) needs a second broadcast for the rest.
+INLINE_BYTES = 4096
+_MAX_MESSAGE_BYTES = 1 << 31
+
 log = logging.getLogger(__name__)
 
 
@@ -45,18 +50,22 @@ class Deadline:
         return time.monotonic() >= self.at
 
 
-def poll(done: Callable[[], bool], deadline: Deadline, on_timeout: Callable[[], BaseException]) -> None:
-    """Wait until ``done()`` is true, sleeping with a growing backoff; raise ``on_timeout()`` at the deadline.
+def poll(done: Callable[[], bool], deadline: Deadline, on_timeout: Callable[[], BaseException]) -> bool:
+    """Wait until ``done()`` is true; raise ``on_timeout()`` at the deadline. Returns whether it waited.
 
-    The first polls only yield the CPU (a bucket usually completes within microseconds of the check),
-    later ones sleep up to 2 ms so an idle wait costs no CPU.
+    The first ~50 us only yield (a bucket often completes within microseconds of the check); after that
+    the sleep grows with the time already waited (a tenth of it, 20 us .. 2 ms), so a wait overshoots its
+    event by at most ~10% (short waits on the hot path stay short) while a long idle wait costs no CPU.
     """
-    sleep = 0.0
+    if done():
+        return False
+    start = time.monotonic()
     while not done():
         if deadline.expired():
             raise on_timeout()
-        time.sleep(sleep)
-        sleep = min(0.002, sleep * 2 if sleep else 0.00002)
+        waited = time.monotonic() - start
+        time.sleep(0 if waited < 5e-5 else min(0.002, max(2e-5, 0.1 * waited)))
+    return True
 
 
 def node_address() -> str:
@@ -139,9 +148,25 @@ class Channel:
         self.peers = peers
         self.broken: str | None = None
         self._groups: list[Any] = [group]
+        self._on_fail: list[Callable[[], None]] = []
+        self._inline = torch.zeros(INLINE_BYTES, dtype=torch.uint8)
+        # Host waits of this rank, for benchmarks and tests: 'comm' (a collective's completion), 'device'
+        # (an event on a CUDA stream), 'readback' (a device->host read of values), 'link' (a doorbell
+        # record), 'control' (a header or status exchange), 'blocked' (waits that found the operation
+        # still running, i.e. the host actually stopped).
+        self.stats: dict[str, int] = {"comm": 0, "device": 0, "readback": 0, "link": 0, "control": 0, "blocked": 0}
 
     def add_group(self, group: Any) -> None:
         self._groups.append(group)
+
+    def on_fail(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` when the channel breaks (e.g. close doorbell links so that peers see EOF at once)."""
+        self._on_fail.append(fn)
+
+    def count(self, kind: str, blocked: bool = False) -> None:
+        self.stats[kind] += 1
+        if blocked:
+            self.stats["blocked"] += 1
 
     def check(self) -> None:
         if self.broken is not None:
@@ -157,6 +182,11 @@ class Channel:
             log.error("[rank %d] transport broken: %s", self.rank, reason)
             for g in self._groups:
                 abort_group(g)
+            for fn in self._on_fail:
+                try:
+                    fn()
+                except Exception as e:
+                    log.debug("[rank %d] cleanup after a failure failed: %s", self.rank, e)
 
     def wait(self, work: Any, phase: str, timeout_s: float | None = None) -> None:
         """Wait for ``work`` with a deadline; a timeout or comm error breaks the channel and raises."""
@@ -168,7 +198,7 @@ class Channel:
             self.fail(msg)
             return TransportTimeout(msg)
 
-        poll(work.is_completed, deadline, timed_out)
+        self.count("comm", poll(work.is_completed, deadline, timed_out))
         try:
             work.wait()
         except Exception as e:
@@ -178,6 +208,21 @@ class Channel:
             msg = f"[rank {self.rank}] {phase}: communication with {self.peers} {what}: {e}"
             self.fail(msg)
             raise (TransportTimeout if is_timeout else TransportError)(msg) from e
+
+    def wait_event(self, event: Any, phase: str, what: str = "the device") -> None:
+        """Wait (with the channel's deadline) until a CUDA event completed; a timeout breaks the channel.
+
+        Never ``event.synchronize()``: that blocks without a deadline, and a stream can be stuck behind
+        a dead peer's collective.
+        """
+        deadline = Deadline(self.timeout_s)
+
+        def timed_out() -> BaseException:
+            msg = f"[rank {self.rank}] {phase}: {what} did not finish within {deadline.timeout_s:.1f} s"
+            self.fail(msg)
+            return TransportTimeout(msg)
+
+        self.count("device", poll(event.query, deadline, timed_out))
 
     def guard(self, phase: str, fn: Callable[[], Any]) -> Any:
         """Issue a collective; an immediate failure breaks the channel like a failed wait."""
@@ -191,23 +236,38 @@ class Channel:
 
     # ------------------------------------------------------------------ control messages
     def broadcast_bytes(self, payload: bytes | None, phase: str, timeout_s: float | None = None) -> bytes:
-        """Rank 0 sends ``payload``; every other rank returns it (length first, then the bytes)."""
+        """Rank 0 sends ``payload``; every other rank returns it. One broadcast of ``INLINE_BYTES`` (length
+        and the first bytes), a second one only for what does not fit (a manifest)."""
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        head = torch.zeros(1, dtype=torch.int64)
+        head = self._inline
+        room = INLINE_BYTES - 8
         if self.rank == 0:
             assert payload is not None
-            head[0] = len(payload)
+            first = payload[:room]
+            head[:8].view(torch.int64)[0] = len(payload)
+            if first:
+                head[8 : 8 + len(first)] = torch.frombuffer(bytearray(first), dtype=torch.uint8)
+        self.count("control")
         w = self.guard(phase, lambda: self.group.broadcast([head], opts))
         self.wait(w, phase, timeout_s)
-        n = int(head[0])
-        body = torch.empty(n, dtype=torch.uint8)
-        if self.rank == 0 and n:
-            body.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))  # type: ignore[arg-type]
-        if n:
+        n = int(head[:8].view(torch.int64)[0])
+        if not 0 <= n < _MAX_MESSAGE_BYTES:
+            msg = f"[rank {self.rank}] {phase}: a control message announced {n} bytes"
+            self.fail(msg)
+            raise TransportError(msg)
+        rest = b""
+        if n > room:
+            body = torch.empty(n - room, dtype=torch.uint8)
+            if self.rank == 0:
+                assert payload is not None
+                body.copy_(torch.frombuffer(bytearray(payload[room:]), dtype=torch.uint8))
             w = self.guard(phase, lambda: self.group.broadcast([body], opts))
             self.wait(w, phase, timeout_s)
-        return payload if self.rank == 0 else bytes(body.numpy().tobytes())  # type: ignore[return-value]
+            rest = bytes(body.numpy().tobytes())
+        if self.rank == 0:
+            return payload  # type: ignore[return-value]
+        return bytes(head[8 : 8 + min(n, room)].numpy().tobytes()) + rest
 
     def exchange_status(self, status: RankStatus) -> list[RankStatus]:
         """All-gather every rank's status record; every rank returns the same list, ordered by rank."""
@@ -216,6 +276,7 @@ class Channel:
         raw = status.to_bytes()
         mine[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
         out = [torch.empty(STATUS_SLOT_BYTES, dtype=torch.uint8) for _ in range(self.size)]
+        self.count("control")
         w = self.guard(phase, lambda: self.group.allgather([out], [mine]))
         self.wait(w, phase)
         return [RankStatus.from_bytes(bytes(t.numpy().tobytes()), r) for r, t in enumerate(out)]

@@ -37,8 +37,10 @@ from weight_sync.transport.buffers import (
     open_shm_buffer,
 )
 from weight_sync.transport.checksum import bucket_checksum, checksum_value
+from weight_sync.transport.config import VERIFY_MODES
 from weight_sync.transport.disk import DiskReader
-from weight_sync.transport.group import Channel, join_store, make_group
+from weight_sync.transport.doorbell import Link, connect_doorbell
+from weight_sync.transport.group import Channel, Deadline, join_store, make_group, poll
 from weight_sync.transport.layout import Bucket, BucketLayout, plan_buckets
 from weight_sync.transport.planes import BroadcastReceiverPlane, SharedReceiverPlane
 from weight_sync.transport.status import raise_agreed, status_of
@@ -46,11 +48,13 @@ from weight_sync.transport.wire import (
     MAGIC,
     STATUS_ABORT,
     TRAILER_BYTES,
+    TRAILER_FIELDS,
     ControlHeader,
     Hello,
     IpcBufferHandle,
     ShmBufferHandle,
     WireParams,
+    b64decode,
 )
 
 __all__ = ["WeightReceiver"]
@@ -58,6 +62,8 @@ __all__ = ["WeightReceiver"]
 log = logging.getLogger(__name__)
 
 PREFIX = "weight_sync"
+# One row per bucket of a call: the 8 trailer words as received, then the 2 checksum words recomputed here.
+CHECK_WORDS = len(TRAILER_FIELDS) + 2
 
 
 def _target_model(target: Any) -> nn.Module:
@@ -118,8 +124,15 @@ class WeightReceiver:
         self._plane: BroadcastReceiverPlane | SharedReceiverPlane | None = None
         self._buffers: list[torch.Tensor] = []
         self._staging: torch.Tensor | None = None
+        # Per-call check table on the buffer device (grown to the most buckets a call has had, then reused)
+        # and its pinned host mirror for the read back.
+        self._checks: torch.Tensor | None = None
+        self._checks_host: torch.Tensor | None = None
+        self._readback_event: Any = None
+        self._link: Link | None = None
         self._store: Any = None
         self._disk: DiskReader | None = None
+        self._stats_at_start: dict[str, int] = {}
 
     # ------------------------------------------------------------------ connection
     def connect(self) -> WireParams | None:
@@ -142,6 +155,11 @@ class WeightReceiver:
             raise TransportError(
                 f"[rank {self.rank}] connect: rank must be in [1, {params.world_size - 1}] for a sender "
                 f"expecting {params.world_size - 1} receivers, got {self.rank}"
+            )
+        if params.verify not in VERIFY_MODES:
+            raise TransportError(
+                f"[rank {self.rank}] connect: the sender asks for verify={params.verify!r}; this receiver knows "
+                f"{list(VERIFY_MODES)}"
             )
         self.params = params
         device = self.device
@@ -174,6 +192,7 @@ class WeightReceiver:
             opts.rootRank = 0
             self._channel.wait(self._channel.guard("connect", lambda: data.broadcast([warm], opts)), "connect")
         else:
+            events: list[Any] | None = None
             try:
                 if params.backend == "shm":
                     raw = json.loads(store.get(f"{PREFIX}/buffers"))
@@ -181,6 +200,10 @@ class WeightReceiver:
                 else:
                     raw = json.loads(store.get(f"{PREFIX}/buffers/{self.rank}"))
                     self._buffers = [import_ipc_buffer(IpcBufferHandle.from_dict(d)) for d in raw]
+                    # The sender's packing events (one per buffer): our compute stream waits on them.
+                    handles = json.loads(store.get(f"{PREFIX}/events"))
+                    events = [torch.cuda.Event.from_ipc_handle(self._buffers[0].device, b64decode(h))
+                              for h in handles]
                 if len(self._buffers) != params.num_buffers or any(b.numel() != nbytes for b in self._buffers):
                     raise TransportError(
                         f"[rank {self.rank}] connect: expected {params.num_buffers} shared buffers of {nbytes} "
@@ -188,7 +211,16 @@ class WeightReceiver:
                     )
             except Exception as e:
                 error = e
-            self._plane = SharedReceiverPlane(self._channel, self._buffers, self.shim)
+            try:
+                # Always open the doorbell, even after a failure above: the hello carries the outcome, so
+                # the sender is not left waiting for this receiver's link until its timeout.
+                info = json.loads(store.get(f"{PREFIX}/doorbell"))
+                outcome = {"ok": error is None, "error": None if error is None else f"{type(error).__name__}: {error}"}
+                self._link = connect_doorbell(info, self.rank, outcome, params.timeout_s)
+                self._channel.on_fail(self._link.close)
+            except Exception as e:
+                error = error or e
+            self._plane = SharedReceiverPlane(self._channel, self._link, self._buffers, self.shim, events)
         statuses = self._channel.exchange_status(status_of(self.rank, "connect", error))
         raise_agreed(statuses, "connect", params.world_size, local=error)
         self._state = "idle"
@@ -228,10 +260,41 @@ class WeightReceiver:
     def _abort_session(self, reason: str) -> None:
         if self._session is not None:
             try:
+                if not self._device_drained():
+                    # A rollback would queue its copies behind work that never completes (a dead peer's
+                    # packing or collective) and then synchronize without a deadline: mark torn instead.
+                    reason = f"{reason}; the device stream did not drain, so the update cannot be rolled back"
+                    self._session.rollback = False
                 self._session.abort(reason)
             finally:
                 self._session = None
                 self._state = "idle"
+
+    def _device_drained(self) -> bool:
+        """Whether the compute stream finishes its queued work within the timeout (always, off CUDA).
+
+        With deferred verification the compute stream may hold loads queued behind receives (or, ipc,
+        behind the sender's packing) when a failure is raised; a broken channel has aborted its groups,
+        which ends stuck collectives, so this normally returns at once.
+        """
+        shim = getattr(self, "shim", None)
+        if shim is None or not shim.is_cuda:
+            return True
+        ev = shim.event()
+        ev.record(shim.current_stream())
+        timeout = self.params.timeout_s if self.params is not None else 60.0
+
+        class _Stuck(Exception):
+            pass
+
+        try:
+            poll(ev.query, Deadline(timeout), _Stuck)
+        except _Stuck:
+            log.error("[rank %d] the device did not drain within %.1f s", self.rank, timeout)
+            if self._channel is not None:
+                self._channel.fail(f"[rank {self.rank}] the device stream is stuck behind a transfer")
+            return False
+        return True
 
     def _require(self, *states: str) -> None:
         if self._state not in states:
@@ -278,6 +341,7 @@ class WeightReceiver:
 
     def _on_start(self, header: ControlHeader, error: BaseException | None) -> Manifest:
         assert self._channel is not None
+        self._stats_at_start = dict(self._channel.stats)
         self._seq = header.seq
         if header.manifest is not None:
             manifest = Manifest.from_json(header.manifest)
@@ -331,52 +395,117 @@ class WeightReceiver:
             self._channel.fail(msg)
             raise TransportError(msg)
         sizes = [b.payload_bytes + TRAILER_BYTES for b in layout.buckets]
+        deferred = self.params.verify == "deferred"
+        checks = self._check_table(layout.num_buckets)
         self._plane.begin_call(sizes, header.seq, header.call)
         nb = len(self._buffers)
         aborted = False
         loaded = 0
+        recorded = 0  # buckets whose checks are in the table (deferred)
         for k, bucket in enumerate(layout.buckets):
             i = k % nb
-            plane_status = self._plane.wait(k, i)
+            # deferred: the compute stream waits for bucket k on the device and the host goes on; the
+            # receive of bucket k+1 (k+n-1) is already posted, so it lands while bucket k is loaded.
+            plane_status = self._plane.wait(k, i, host=not deferred)
             if error is None and not aborted:
                 try:
-                    if plane_status == STATUS_ABORT or not self._verify(bucket, self._buffers[i], k, header):
-                        aborted = True  # the sender gave up; its status says why
-                    else:
+                    if plane_status == STATUS_ABORT:
+                        aborted = True  # the sender gave up (told out of band); its status says why
+                    elif deferred:
+                        # Trailer and checksum land in row k on the device, before release() lets the
+                        # buffer be overwritten; they are judged once, after the last bucket.
+                        self._record_checks(bucket, self._buffers[i], checks[k])
+                        recorded = k + 1
                         loaded += self._consume(bucket, self._buffers[i], layout)
+                    else:
+                        self._record_checks(bucket, self._buffers[i], checks[0])
+                        vals = self._readback(checks[:1], f"update_weights: checks of bucket {k}")[0]
+                        if self._judge(vals, bucket, k, header, loaded=False):
+                            loaded += self._consume(bucket, self._buffers[i], layout)
+                        else:
+                            aborted = True
                 except Exception as e:
                     error = e
                     log.error("[rank %d] update %r: bucket %d: %s", self.rank, self._version, k, e)
             self._plane.release(k, i, failed=error is not None)
         self._plane.end_call()
+        if recorded:
+            # The one device->host read of the call. The first bad bucket in order decides, as if it had
+            # been checked before its load: a trailer or checksum failure, or the sender's ABORT, at or
+            # before the bucket where loading failed replaces that load error (it is the root cause, and
+            # checked first, that load would not have happened).
+            rows = self._readback(checks[:recorded], "update_weights: checks of the call's buckets")
+            try:
+                for k, vals in enumerate(rows):
+                    if not self._judge(vals, layout.buckets[k], k, header, loaded=True):
+                        aborted, error = True, None
+                        break
+            except Exception as e:
+                error = e
+                log.error("[rank %d] update %r: %s", self.rank, self._version, e)
         statuses = self._channel.exchange_status(status_of(self.rank, "update_weights", error))
         raise_agreed(statuses, "update_weights", self._channel.size, local=error)
         return loaded
 
-    def _verify(self, bucket: Bucket, buf: torch.Tensor, k: int, header: ControlHeader) -> bool:
-        """Check the trailer and (if enabled) the checksum before a byte of the bucket is loaded."""
+    def _check_table(self, num_buckets: int) -> torch.Tensor:
+        """The int64 [buckets, CHECK_WORDS] table on the buffer device, allocated when a call first needs
+        more rows than before and reused after (nothing allocated per update in steady state)."""
+        need = max(1, num_buckets)
+        if self._checks is None or self._checks.shape[0] < need:
+            device = self._buffers[0].device if self._buffers else self.buffer_device
+            self._checks = torch.zeros((need, CHECK_WORDS), dtype=torch.int64, device=device)
+            if device.type == "cuda":
+                self._checks_host = torch.zeros((need, CHECK_WORDS), dtype=torch.int64, pin_memory=True)
+        return self._checks
+
+    def _record_checks(self, bucket: Bucket, buf: torch.Tensor, row: torch.Tensor) -> None:
+        """Copy the bucket's trailer and (if enabled) its recomputed checksum into ``row``, on the compute
+        stream (behind the wait for the bucket): no host read."""
         assert self.params is not None
         p = bucket.payload_bytes
-        trailer = buf[p : p + TRAILER_BYTES].view(torch.int64)
+        row[: len(TRAILER_FIELDS)].copy_(buf[p : p + TRAILER_BYTES].view(torch.int64))
         if self.params.checksum:
-            vals = torch.cat([trailer, bucket_checksum(buf[:p])]).tolist()
-        else:
-            vals = [*trailer.tolist(), 0, 0]
+            bucket_checksum(buf[:p], out=row[len(TRAILER_FIELDS) :])
+
+    def _readback(self, rows: torch.Tensor, phase: str) -> list[list[int]]:
+        """Read ``rows`` of the check table to the host. CUDA: a copy into pinned memory behind the loads,
+        then an event polled with the deadline (a plain ``.tolist()`` would block without one, and the
+        stream may be stuck behind a dead peer)."""
+        assert self._channel is not None
+        self._channel.count("readback")
+        if rows.device.type != "cuda":
+            return rows.tolist()
+        assert self._checks_host is not None
+        host = self._checks_host[: rows.shape[0]]
+        host.copy_(rows, non_blocking=True)
+        if self._readback_event is None:
+            self._readback_event = self.shim.event()
+        self._readback_event.record(self.shim.current_stream())
+        self._channel.wait_event(self._readback_event, phase)
+        return host.tolist()
+
+    def _judge(self, vals: list[int], bucket: Bucket, k: int, header: ControlHeader, *, loaded: bool) -> bool:
+        """Check one bucket's trailer and checksum words; False: the sender aborted from this bucket on."""
+        assert self.params is not None
+        p = bucket.payload_bytes
         magic, seq, call, kk, status, pbytes, hi, lo, got_hi, got_lo = vals
         if (magic, seq, call, kk) != (MAGIC, header.seq, header.call, k) or (status != STATUS_ABORT and pbytes != p):
             raise TransportError(
                 f"[rank {self.rank}] update_weights: bucket {k} carries trailer (magic={magic:#x}, update "
                 f"{seq}, call {call}, bucket {kk}, {pbytes} bytes), expected (magic={MAGIC:#x}, update "
                 f"{header.seq}, call {header.call}, bucket {k}, {p} bytes)"
+                + ("; its bytes were loaded, the update will not be committed" if loaded else "")
             )
         if status == STATUS_ABORT:
             return False
         if self.params.checksum and (hi, lo) != (got_hi, got_lo):
             names = [self._manifest.tensors[header.first + s.index].name for s in bucket.segments]  # type: ignore[union-attr]
+            what = ("its bytes were loaded (deferred verification), the update will not be committed" if loaded
+                    else "nothing of it was loaded")
             raise ChecksumError(
                 f"[rank {self.rank}] update {self._version!r}: bucket {k} ({p} bytes, {names[0]} .. "
                 f"{names[-1]}) failed its checksum: sender {checksum_value((hi, lo), p):#018x}, received "
-                f"{checksum_value((got_hi, got_lo), p):#018x}; nothing of it was loaded"
+                f"{checksum_value((got_hi, got_lo), p):#018x}; {what}"
             )
         return True
 
@@ -446,6 +575,7 @@ class WeightReceiver:
             "rank": self.rank, "version": report.version, "fingerprint": report.fingerprint,
             "num_tensors": report.num_tensors, "num_bytes": report.num_bytes,
             "peak_buffered_bytes": report.peak_buffered_bytes, "seconds": report.seconds.get("total"),
+            "transport": self.transport_stats(),
         }
         statuses = self._channel.exchange_status(
             status_of(self.rank, "finish_weight_update: commit", error, summary)
@@ -453,6 +583,13 @@ class WeightReceiver:
         raise_agreed(statuses, "finish_weight_update", size, local=error)
         self._committed(report)
         return report
+
+    def transport_stats(self) -> dict[str, int]:
+        """This receiver's host waits since the current (or last) update started, by kind (see
+        ``Channel.stats``): e.g. 'readback' is 1 per update_weights call with deferred verification."""
+        if self._channel is None:
+            return {}
+        return {k: v - self._stats_at_start.get(k, 0) for k, v in self._channel.stats.items()}
 
     def _committed(self, report: Any) -> None:
         self.weight_version = report.version
@@ -477,9 +614,13 @@ class WeightReceiver:
         if self._state == "closed":
             return
         self._abort_session("the receiver was closed mid-update")
-        if getattr(self, "shim", None) is not None and self.shim.is_cuda:
-            torch.cuda.synchronize(self.buffer_device)
+        # Nothing may still read the buffers when they are dropped (an IPC import is released with them);
+        # a bounded wait, not torch.cuda.synchronize, which has no deadline.
+        self._device_drained()
         self._plane = None
+        if self._link is not None:
+            self._link.close()
+            self._link = None
         self._buffers = []  # drops the single import of each IPC buffer (its reference is released)
         self._staging = None
         if self._channel is not None and self.params is not None and self.params.backend == "nccl":

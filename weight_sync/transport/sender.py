@@ -37,6 +37,7 @@ from weight_sync.transport.buffers import (
 from weight_sync.transport.checksum import bucket_checksum
 from weight_sync.transport.config import ALIGN_BYTES, TransportConfig
 from weight_sync.transport.disk import DiskWriter
+from weight_sync.transport.doorbell import DoorbellServer, Link
 from weight_sync.transport.group import Channel, host_store, make_group
 from weight_sync.transport.layout import Bucket, BucketLayout, check_block_order, plan_buckets
 from weight_sync.transport.planes import BroadcastSenderPlane, SharedSenderPlane
@@ -50,6 +51,7 @@ from weight_sync.transport.wire import (
     Hello,
     RankStatus,
     WireParams,
+    b64encode,
 )
 
 __all__ = ["TransferReport", "WeightSender"]
@@ -71,6 +73,9 @@ class TransferReport:
     seconds: float
     transfer_seconds: float
     receivers: list[dict[str, Any]] = field(default_factory=list)
+    host_waits: dict[str, int] = field(default_factory=dict)
+    """The sender's host waits during the update, by kind (see ``Channel.stats``); each receiver's are in
+    ``receivers[i]['transport']``."""
 
     @property
     def gbps(self) -> float:
@@ -95,7 +100,7 @@ class WeightSender:
         self.params = WireParams(
             backend=config.backend, bucket_bytes=config.bucket_bytes, num_buffers=config.num_buffers,
             checksum=config.checksum, timeout_s=float(config.timeout_s), align_bytes=ALIGN_BYTES,
-            world_size=self.world_size,
+            world_size=self.world_size, verify=config.verify,
         )
         self.peers: list[Hello] = []
         self._state = "new"
@@ -114,6 +119,8 @@ class WeightSender:
         self._plane: BroadcastSenderPlane | SharedSenderPlane | None = None
         self._buffers: list[torch.Tensor] = []
         self._shm_handles: list[Any] = []
+        self._links: dict[int, Link] = {}
+        self._stats_at_start: dict[str, int] = {}
         self._disk: DiskWriter | None = None
         self._store = None
         self.device = torch.device("cpu")
@@ -176,16 +183,8 @@ class WeightSender:
             opts = dist.BroadcastOptions()
             opts.rootRank = 0
             self._channel.wait(self._channel.guard("connect", lambda: data.broadcast([warm], opts)), "connect")
-        elif cfg.backend == "shm":
-            self._buffers, self._shm_handles = create_shm_buffers(cfg.shm_dir, cfg.num_buffers, nbytes)
-            store.set(f"{PREFIX}/buffers", _json_list([h.to_dict() for h in self._shm_handles]))
-            self._plane = SharedSenderPlane(self._channel, self._buffers, self.shim)
-        else:  # ipc: one export of each buffer per receiver, each imported exactly once
-            self._buffers = allocate_buffers(cfg.num_buffers, nbytes, device)
-            for r in range(1, self.world_size):
-                handles = [export_ipc_buffer(b).to_dict() for b in self._buffers]
-                store.set(f"{PREFIX}/buffers/{r}", _json_list(handles))
-            self._plane = SharedSenderPlane(self._channel, self._buffers, self.shim)
+        else:
+            status = self._connect_shared(store, nbytes)
         try:
             statuses = self._channel.exchange_status(status)
         finally:
@@ -195,6 +194,39 @@ class WeightSender:
         self._state = "idle"
         log.info("[rank 0] connected %d receiver(s) over %s at %s", self.num_receivers, cfg.backend, self.address)
         return self.peers
+
+    def _connect_shared(self, store: Any, nbytes: int) -> RankStatus:
+        """shm / ipc: share the buffers (and, ipc, one packing event per buffer) and accept every receiver's
+        doorbell link. Returns this rank's connect status."""
+        cfg = self.config
+        assert self._channel is not None
+        server = DoorbellServer(cfg.shm_dir, backlog=self.num_receivers)
+        events: list[Any] | None = None
+        try:
+            store.set(f"{PREFIX}/doorbell", json.dumps(server.info()))
+            if cfg.backend == "shm":
+                self._buffers, self._shm_handles = create_shm_buffers(cfg.shm_dir, cfg.num_buffers, nbytes)
+                store.set(f"{PREFIX}/buffers", _json_list([h.to_dict() for h in self._shm_handles]))
+            else:  # ipc: one export of each buffer per receiver, each imported exactly once
+                self._buffers = allocate_buffers(cfg.num_buffers, nbytes, self.device)
+                for r in range(1, self.world_size):
+                    handles = [export_ipc_buffer(b).to_dict() for b in self._buffers]
+                    store.set(f"{PREFIX}/buffers/{r}", _json_list(handles))
+                # Recorded after each packing; receivers' compute streams wait on them (no host sync here).
+                events = [torch.cuda.Event(interprocess=True) for _ in self._buffers]
+                store.set(f"{PREFIX}/events", json.dumps([b64encode(bytes(e.ipc_handle())) for e in events]))
+            self._links, hellos = server.accept(list(range(1, self.world_size)), cfg.timeout_s)
+        except Exception as e:
+            return status_of(0, "connect", e)
+        finally:
+            server.close()  # unlinks the socket file: every receiver is connected (or never will be)
+        for link in self._links.values():
+            self._channel.on_fail(link.close)
+        self._plane = SharedSenderPlane(self._channel, self._links, self._buffers, self.shim, events)
+        failed = {r: h.get("error") for r, h in hellos.items() if not h.get("ok", False)}
+        if failed:
+            log.info("[rank 0] connect: receivers reported failures %s", failed)
+        return RankStatus(rank=0, ok=True, phase="connect")
 
     # ------------------------------------------------------------------ lifecycle
     def _require(self, *states: str) -> None:
@@ -227,6 +259,8 @@ class WeightSender:
         self._t_start = time.perf_counter()
         self._transfer_s = 0.0
         self._num_buckets = 0
+        if self._channel is not None:
+            self._stats_at_start = dict(self._channel.stats)
         if self._disk is not None:
             self._disk.start(manifest, version, self._seq)
             self._state = "open"
@@ -340,16 +374,19 @@ class WeightSender:
 
     def _send_buckets(self, layout: BucketLayout, it: Iterator[tuple[str, Any]], first: int) -> BaseException | None:
         plane = self._plane
-        assert plane is not None
+        assert plane is not None and self._channel is not None
         nb = len(self._buffers)
         sizes = [b.payload_bytes + TRAILER_BYTES for b in layout.buckets]
         plane.begin_call(sizes, self._seq, self._call)
+        heads = self._trailer_heads(layout)
         source = _checked(it, layout.metas, first)
         error: BaseException | None = None
         peer_failed = False
         current: dict[int, torch.Tensor] = {}
         for k, bucket in enumerate(layout.buckets):
             i = k % nb
+            # Buffer reuse: CUDA orders it on the device (the host only keeps a bounded lead); CPU and the
+            # shared planes wait on the host for the previous occupant's broadcast / RELEASE.
             peer_failed |= plane.acquire(k, i)
             status = STATUS_OK
             if error is None and not peer_failed:
@@ -361,9 +398,13 @@ class WeightSender:
             if error is not None or peer_failed:
                 status = STATUS_ABORT
                 current.clear()
-            self._write_trailer(bucket, self._buffers[i], k, status)
+            self._write_trailer(bucket, self._buffers[i], k, status, heads)
             plane.submit(k, i, sizes[k], status)
         peer_failed |= bool(plane.end_call())
+        if self.shim.is_cuda and self._channel.broken is None:
+            # The caller may overwrite its tensors (an optimizer step) on its stream as soon as this call
+            # returns: that stream waits for the packing that still reads them (no host wait).
+            self.shim.current_stream().wait_stream(plane.pack_stream)
         if error is None and not peer_failed:
             try:
                 extra = next(source.raw, None)
@@ -375,6 +416,26 @@ class WeightSender:
                     "this call announced"
                 )
         return error
+
+    def _trailer_heads(self, layout: BucketLayout) -> torch.Tensor:
+        """The first six trailer words of every bucket of the call, on the buffers' device.
+
+        One host->device copy per call from pinned memory, on the pack stream: writing each trailer from
+        a pageable host tensor would be a blocking copy, i.e. a synchronization of the pack stream per
+        bucket.
+        """
+        rows = torch.tensor(
+            [[MAGIC, self._seq, self._call, k, STATUS_OK, b.payload_bytes] for k, b in enumerate(layout.buckets)],
+            dtype=torch.int64,
+        ).reshape(-1, 6)
+        if not self.shim.is_cuda:
+            return rows
+        plane = self._plane
+        assert plane is not None
+        with plane.pack_stream.use():
+            # Allocated on the pack stream, used only there; the caching host allocator keeps the pinned
+            # block until this copy has completed.
+            return rows.pin_memory().to(self.device, non_blocking=True)
 
     def _pack(self, bucket: Bucket, buf: torch.Tensor, source: _Checked, current: dict[int, torch.Tensor]) -> None:
         """Copy the bucket's segments into ``buf`` on the pack stream and write its checksum."""
@@ -400,17 +461,18 @@ class WeightSender:
             if seg.tensor_offset + seg.nbytes == flat.numel():
                 del current[seg.index]
 
-    def _write_trailer(self, bucket: Bucket, buf: torch.Tensor, k: int, status: int) -> None:
+    def _write_trailer(self, bucket: Bucket, buf: torch.Tensor, k: int, status: int, heads: torch.Tensor) -> None:
+        """Trailer words and checksum of bucket ``k``, written on the pack stream (no host round trip)."""
         plane = self._plane
         assert plane is not None
-        stream = plane.pack_stream
         p = bucket.payload_bytes
         trailer = buf[p : p + TRAILER_BYTES].view(torch.int64)
-        head = torch.tensor([MAGIC, self._seq, self._call, k, status, p], dtype=torch.int64)
-        with stream.use():
-            trailer[:6].copy_(head)
+        with plane.pack_stream.use():
+            trailer[:6].copy_(heads[k], non_blocking=True)
+            if status != STATUS_OK:
+                trailer[4:5].fill_(status)
             if self.config.checksum and status == STATUS_OK:
-                trailer[6:8].copy_(bucket_checksum(buf[:p]))
+                bucket_checksum(buf[:p], out=trailer[6:8])
             else:
                 trailer[6:8].zero_()
 
@@ -444,11 +506,14 @@ class WeightSender:
 
     def _report(self, receivers: list[dict[str, Any]]) -> TransferReport:
         assert self._manifest is not None
+        stats = {} if self._channel is None else {
+            k: v - self._stats_at_start.get(k, 0) for k, v in self._channel.stats.items()
+        }
         return TransferReport(
             version=self._version, backend=self.config.backend, num_tensors=len(self._manifest),
             num_bytes=self._manifest.nbytes, num_buckets=self._num_buckets,
             seconds=time.perf_counter() - self._t_start, transfer_seconds=self._transfer_s,
-            receivers=receivers,
+            receivers=receivers, host_waits=stats,
         )
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
@@ -467,6 +532,9 @@ class WeightSender:
             torch.cuda.synchronize(self.device)
         self._plane = None
         self._buffers = []
+        for link in self._links.values():
+            link.close()
+        self._links = {}
         if self._channel is not None:
             for g in self._channel._groups:
                 shutdown = getattr(g, "shutdown", None)

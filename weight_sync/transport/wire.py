@@ -23,6 +23,7 @@ from weight_sync.errors import TransportError
 __all__ = [
     "MAGIC",
     "PROTOCOL_VERSION",
+    "RECORD_WORDS",
     "STATUS_ABORT",
     "STATUS_OK",
     "STATUS_SLOT_BYTES",
@@ -39,13 +40,16 @@ __all__ = [
     "decode_json",
 ]
 
-PROTOCOL_VERSION = 1
+# 2: control messages carry their first 4 KiB inline (one broadcast), ``verify`` in the wire parameters,
+# shm/ipc doorbells over a local socket instead of per-bucket collectives.
+PROTOCOL_VERSION = 2
 MAGIC = 0x5753_5943  # "WSYC": a trailer without it was never written by a sender
 TRAILER_FIELDS = ("magic", "seq", "call", "bucket", "status", "payload_bytes", "checksum_hi", "checksum_lo")
 TRAILER_BYTES = 8 * len(TRAILER_FIELDS)
 STATUS_OK = 0
 STATUS_ABORT = 1  # the sender could not produce this bucket; receivers must stop loading
 STATUS_SLOT_BYTES = 8192  # one rank's status JSON in the all-gather (longer messages are truncated)
+RECORD_WORDS = 8  # a doorbell record (READY / RELEASE of one bucket): 8 little-endian int64 words
 
 
 def decode_json(raw: str | bytes, what: str) -> dict[str, Any]:
@@ -89,6 +93,7 @@ class WireParams:
     timeout_s: float
     align_bytes: int
     world_size: int
+    verify: str = "deferred"
     protocol: int = PROTOCOL_VERSION
 
     def to_json(self) -> str:
