@@ -8,7 +8,9 @@ every bucket, the engine's commit) and, in the same run on the same two processe
 - ipc / shm: one device copy of the same number of bytes (one flat copy on the trainer's device).
 
 It also reports the engine's peak extra memory during an update (buffers + staging + transient) against
-the bound 2 buffers + 1 block, and (CPU) the RSS growth over repeated updates.
+the bound 2 buffers + 1 block, (CPU) the RSS growth over repeated updates, and the host waits of one
+update on each side (``TransferReport.host_waits``: read backs of device values, waits on collectives,
+device events and doorbell records, and how many of them found the work still running).
 
 GPU (2x H200): random Qwen3-8B-shaped bf16 weights are generated on GPU0, the engine lives on GPU1::
 
@@ -154,7 +156,7 @@ def bench_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
         row: dict[str, Any] = {"bucket_mb": bucket_mb}
         if rank == 0:
             sender = WeightSender(TransportConfig(backend=backend, bucket_bytes=bucket, timeout_s=600,
-                                                  checksum=spec["checksum"]), num_receivers=1)
+                                                  checksum=spec["checksum"], verify=spec["verify"]), num_receivers=1)
             store.set(key, sender.address)
             sender.connect()
             times, data_times, rss = [], [], []
@@ -168,6 +170,8 @@ def bench_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
                     data_times.append(report.transfer_seconds)
                 rss.append(_rss())
             sender.close()
+            row.update(sender_waits=report.host_waits,
+                       engine_waits=report.receivers[0].get("transport", {}) if report.receivers else {})
             row.update(seconds=statistics.median(times), seconds_all=times, num_buckets=report.num_buckets,
                        gbps=total / statistics.median(times) / 1e9, data_seconds=statistics.median(data_times),
                        data_gbps=total / statistics.median(data_times) / 1e9, rss_first=rss[0], rss_last=rss[-1],
@@ -205,7 +209,8 @@ def bench_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
 
 def _run(args: argparse.Namespace, backend: str, quantization: str | None) -> dict[str, Any]:
     spec = dict(backend=backend, device=args.device, preset=args.preset, quantization=quantization,
-                bucket_mb=args.bucket_mb, repeats=args.repeats, warmup=args.warmup, checksum=not args.no_checksum)
+                bucket_mb=args.bucket_mb, repeats=args.repeats, warmup=args.warmup, checksum=not args.no_checksum,
+                verify=args.verify)
     trainer, engine = run_distributed(bench_rank, 2, spec, timeout_s=args.timeout_s)
     rows = []
     for t, e in zip(trainer["buckets"], engine["buckets"]):
@@ -223,7 +228,7 @@ def _run(args: argparse.Namespace, backend: str, quantization: str | None) -> di
             buffers = 0 if backend == "ipc" else 2 * (bucket + TRAILER_BYTES)
             row["memory_bound_bytes"] = buffers + trainer["largest_block_bytes"]
         rows.append(row)
-    return {"backend": backend, "quantization": quantization, "num_bytes": trainer["num_bytes"],
+    return {"backend": backend, "quantization": quantization, "verify": args.verify, "num_bytes": trainer["num_bytes"],
             "num_tensors": trainer["num_tensors"], "largest_block_bytes": trainer["largest_block_bytes"],
             "rows": rows}
 
@@ -231,7 +236,7 @@ def _run(args: argparse.Namespace, backend: str, quantization: str | None) -> di
 def _rss_run(args: argparse.Namespace) -> dict[str, Any]:
     """50 updates over gloo on CPU: RSS of both processes after the warm-up and at the end."""
     spec = dict(backend="gloo", device="cpu", preset=args.preset, quantization=None, bucket_mb=[args.bucket_mb[0]],
-                repeats=args.rss_updates, warmup=10, checksum=True)
+                repeats=args.rss_updates, warmup=10, checksum=True, verify=args.verify)
     trainer, _ = run_distributed(bench_rank, 2, spec, timeout_s=args.timeout_s)
     row = trainer["buckets"][0]
     return {"updates": args.rss_updates, "trainer_rss_after_warmup": row["rss_after_warmup"],
@@ -250,18 +255,28 @@ def _environment(args: argparse.Namespace) -> dict[str, Any]:
     return env
 
 
+def _waits(w: dict[str, int] | None) -> str:
+    """'readback 1, comm 40 (12 blocked)': the nonzero host waits of one update."""
+    if not w:
+        return "n/a"
+    parts = [f"{k} {v}" for k, v in w.items() if v and k != "blocked"]
+    return ", ".join(parts) + f" ({w.get('blocked', 0)} blocked)"
+
+
 def _markdown(result: dict[str, Any]) -> str:
     env = result["environment"]
     lines = [f"# Transport benchmark ({result['tag']})", "", f"Command: `{env['command']}`  ",
              f"Date: {env['date']}; torch {env['torch']}; {env.get('gpus') or str(env['cpus']) + ' CPUs'}", ""]
     for run in result["runs"]:
-        lines += [f"## {run['backend']}, engine quantization {run['quantization'] or 'none'}", "",
+        lines += [f"## {run['backend']}, engine quantization {run['quantization'] or 'none'}, "
+                  f"verify {run.get('verify', 'before_load')}", "",
                   f"{run['num_tensors']} tensors, {run['num_bytes'] / 1e9:.3f} GB per update, largest block "
                   f"{run['largest_block_bytes'] / 1e6:.1f} MB.", ""]
         baseline = "raw broadcast" if run["backend"] in ("nccl", "gloo") else "one device copy"
         lines.append(f"| bucket MB | buckets | update s (start..commit) | data s (update_weights) | data GB/s | "
-                     f"{baseline} s | data / end-to-end vs baseline | extra engine MB (bound) |")
-        lines.append("|---|---|---|---|---|---|---|---|")
+                     f"{baseline} s | data / end-to-end vs baseline | extra engine MB (bound) | "
+                     "host waits per update: trainer / engine |")
+        lines.append("|---|---|---|---|---|---|---|---|---|")
         for r in run["rows"]:
             if "raw_s" in r:
                 base = f"{r['raw_s']:.4f} ({r['raw_gbps']:.1f} GB/s)"
@@ -272,7 +287,8 @@ def _markdown(result: dict[str, Any]) -> str:
             mem = (f"{r['extra_engine_bytes'] / 1e6:.0f} ({r['memory_bound_bytes'] / 1e6:.0f})"
                    if "extra_engine_bytes" in r else "n/a (CPU)")
             lines.append(f"| {r['bucket_mb']} | {r['num_buckets']} | {r['seconds']:.4f} | {r['data_seconds']:.4f} | "
-                         f"{r['data_gbps']:.2f} | {base} | {ratio} | {mem} |")
+                         f"{r['data_gbps']:.2f} | {base} | {ratio} | {mem} | {_waits(r.get('sender_waits'))} / "
+                         f"{_waits(r.get('engine_waits'))} |")
         lines.append("")
     if result.get("rss"):
         rss = result["rss"]
@@ -281,6 +297,10 @@ def _markdown(result: dict[str, Any]) -> str:
                   f"{rss['trainer_rss_after_warmup'] / 1e6:.1f} MB before, "
                   f"{rss['trainer_rss_last'] / 1e6:.1f} MB at the end ({rss['trainer_growth']:+.2%}); the engine side "
                   "is checked by tests/transport/test_memory.py (50 updates, both processes, <= 1%).", ""]
+    lines += ["Host waits (last update, each side): 'readback' = device values read to the host (deferred "
+              "verification: 1 per update_weights call), 'comm' = waits on a collective, 'device' = waits on a "
+              "CUDA event, 'link' = doorbell records (shm/ipc), 'control' = header and status exchanges; "
+              "'blocked' = how many found the work still running (the host actually stopped).", ""]
     lines += ["Method: two processes; each update is timed on the trainer from start_weight_update to the "
               "engine's agreed commit (finish_weight_update), median of the repeats after warm-up; 'data' is "
               "the update_weights call alone (every bucket sent, verified and loaded, plus its status "
@@ -337,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--no-checksum", action="store_true", help="disable per-bucket checksums")
+    p.add_argument("--verify", choices=["deferred", "before_load"], default="deferred",
+                   help="when receivers check each bucket (TransportConfig.verify)")
     p.add_argument("--rss-updates", type=int, default=50,
                    help="CPU: consecutive updates (after 10 warm-up updates) for the RSS check (0: skip)")
     p.add_argument("--timeout-s", type=float, default=1800)
@@ -364,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
                        if "extra_engine_bytes" in r else "")
                 print(f"  bucket {r['bucket_mb']} MiB: update {r['seconds']:.4f} s, data {r['data_seconds']:.4f} s "
                       f"({r['data_gbps']:.2f} GB/s){extra}{mem}", flush=True)
+                print(f"    host waits per update: trainer {_waits(r.get('sender_waits'))}; "
+                      f"engine {_waits(r.get('engine_waits'))}", flush=True)
             result["runs"].append(run)
     if not cuda and args.rss_updates:
         result["rss"] = _rss_run(args)

@@ -114,13 +114,16 @@ def _flip_byte_in_bucket(receiver: WeightReceiver, bucket: int) -> None:
     plane.wait = wait  # type: ignore[method-assign]
 
 
-def faults_then_recovery(rank: int, world: int, backend: str, ckpt_a: str, ckpt_b: str, rollback: bool) -> dict:
+def faults_then_recovery(rank: int, world: int, backend: str, ckpt_a: str, ckpt_b: str, rollback: bool,
+                         verify: str = "deferred") -> dict:
     """On one connection: a flipped byte, a manifest the engine rejects, a source that disagrees with its
     manifest, a receiver whose load fails -- each agreed by every rank -- then a clean update."""
-    end, engine, _ = connect_pair(rank, world, backend, ckpt_a, tp=False, rollback=rollback)
+    end, engine, _ = connect_pair(rank, world, backend, ckpt_a, tp=False, rollback=rollback,
+                                  config={"verify": verify})
     src = CheckpointSource(ckpt_b)
     manifest = src.manifest()
     outcomes: list[tuple[str, str]] = []
+    messages: dict[str, str] = {}
 
     def attempt(label: str, fn: Callable[[], Any]) -> None:
         try:
@@ -128,6 +131,7 @@ def faults_then_recovery(rank: int, world: int, backend: str, ckpt_a: str, ckpt_
             outcomes.append((label, "ok"))
         except Exception as e:
             outcomes.append((label, type(e).__name__))
+            messages[label] = str(e)
 
     if rank == 0:
         # 1. a byte flipped on the wire in bucket 8 (receivers corrupt their copy)
@@ -143,7 +147,7 @@ def faults_then_recovery(rank: int, world: int, backend: str, ckpt_a: str, ckpt_
         # 5. the transport is still usable
         attempt("clean", lambda: end.send(src, manifest, version=14))
         end.close()
-        return {"outcomes": outcomes}
+        return {"outcomes": outcomes, "messages": messages}
     before = engine.fingerprint()
     _flip_byte_in_bucket(end, 8)  # buckets 0-3 hold the split embedding; 8 is past block 0
     attempt("checksum", end.receive_update)
@@ -181,7 +185,7 @@ def faults_then_recovery(rank: int, world: int, backend: str, ckpt_a: str, ckpt_
         "outcomes": outcomes, "before": before, "after_checksum": after_checksum,
         "after_manifest": after_manifest, "after_source": after_source, "after_load": after_load,
         "final": engine.fingerprint(), "final_version": end.weight_version, "fresh_b": fresh_b,
-        "torn_final": torn_reason(engine.model),
+        "torn_final": torn_reason(engine.model), "messages": messages,
     }
     end.close()
     return result
@@ -205,6 +209,70 @@ def repeated_updates(rank: int, world: int, backend: str, ckpt_a: str, ckpt_b: s
         rss.append(rss_bytes())
     end.close()
     return {"rss": rss, "fingerprints": fps}
+
+
+def source_fails_mid_call(rank: int, world: int, backend: str, ckpt_a: str, ckpt_b: str, rollback: bool,
+                          verify: str) -> dict:
+    """The trainer's source raises after 20 tensors of a call: the sender marks the remaining buckets ABORT
+    (never packed), every rank raises the same error, nothing is committed; then a clean update."""
+    end, engine, _ = connect_pair(rank, world, backend, ckpt_a, tp=False, rollback=rollback,
+                                  config={"verify": verify})
+    src = CheckpointSource(ckpt_b)
+    manifest = src.manifest()
+    if rank == 0:
+        def failing():
+            for i, item in enumerate(src):
+                if i == 20:
+                    raise RuntimeError("injected trainer failure after 20 tensors")
+                yield item
+
+        outcome = []
+        for label, tensors in (("failing", failing()), ("clean", iter(src))):
+            try:
+                end.send(tensors, manifest, version=label)
+                outcome.append((label, "ok", ""))
+            except Exception as e:
+                outcome.append((label, type(e).__name__, str(e)))
+        end.close()
+        return {"outcomes": outcome}
+    before = engine.fingerprint()
+    outcome = []
+    try:
+        end.receive_update()
+        outcome.append(("failing", "ok", ""))
+    except Exception as e:
+        outcome.append(("failing", type(e).__name__, str(e)))
+    after = {"rolled_back": engine.fingerprint() == before, "torn": torn_reason(engine.model),
+             "version": end.weight_version}
+    end.receive_update()
+    outcome.append(("clean", "ok", ""))
+    result = {"outcomes": outcome, "after_failure": after, "final": engine.fingerprint(),
+              "fresh_b": ReferenceEngine.from_checkpoint(ckpt_b).fingerprint(), "version": end.weight_version}
+    end.close()
+    return result
+
+
+def host_waits_per_update(rank: int, world: int, backend: str, ckpt_a: str, ckpt_b: str, verify: str,
+                          calls: int) -> dict:
+    """One update split into ``calls`` update_weights calls; the sender's report carries every rank's
+    host waits (by kind) during the update."""
+    end, _engine, _ = connect_pair(rank, world, backend, ckpt_a, tp=False, config={"verify": verify})
+    if rank == 0:
+        src = CheckpointSource(ckpt_b)
+        manifest = src.manifest()
+        end.start_weight_update(manifest, 1)
+        names = list(manifest.names)
+        cuts = [len(names) * i // calls for i in range(calls + 1)]
+        tensors = iter(src)
+        for lo, hi in itertools.pairwise(cuts):
+            end.update_weights([next(tensors) for _ in range(hi - lo)], names=names[lo:hi])
+        report = end.finish_weight_update()
+        end.close()
+        return {"num_buckets": report.num_buckets, "sender": report.host_waits,
+                "receivers": [r["transport"] for r in report.receivers]}
+    end.receive_update()
+    end.close()
+    return {}
 
 
 # ---------------------------------------------------------------------- sender death / hang
@@ -259,8 +327,12 @@ def sender_role(backend: str, num_receivers: int, ckpt_b: str, timeout_s: float,
 
 
 # ---------------------------------------------------------------------- GPU scenarios (device machine)
-def gpu_sync(rank: int, world: int, backend: str, ckpt_a: str, ckpt_b: str, quantization: Any, num_updates: int) -> dict:
-    """nccl: sender on cuda:0, engine ranks on cuda:rank. ipc: everyone on cuda:0. Reports memory too."""
+def gpu_sync(rank: int, world: int, backend: str, ckpt_a: str, ckpt_b: str, quantization: Any, num_updates: int,
+             bucket_bytes: int = 1 << 20, verify: str = "deferred", alternate: bool = False) -> dict:
+    """nccl: sender on cuda:0, engine ranks on cuda:rank. ipc: everyone on cuda:0. Reports memory too.
+
+    alternate: send checkpoint b and a in turn (each update differs from the last, so a bucket loaded
+    from a buffer before its receive or packing completed shows up as a wrong fingerprint)."""
     device = "cuda:0" if backend == "ipc" else f"cuda:{rank}"
     torch.cuda.set_device(device)
     if rank == 0:
@@ -269,18 +341,19 @@ def gpu_sync(rank: int, world: int, backend: str, ckpt_a: str, ckpt_b: str, quan
         bucket_checksum(torch.zeros(4, dtype=torch.uint8, device=device))  # its per-device constants
         torch.cuda.synchronize()
         baseline = torch.cuda.memory_allocated()
-        sender = WeightSender(TransportConfig(backend=backend, bucket_bytes=1 << 20, timeout_s=60),
-                              num_receivers=world - 1)
+        sender = WeightSender(TransportConfig(backend=backend, bucket_bytes=bucket_bytes, timeout_s=60,
+                                              verify=verify), num_receivers=world - 1)
         _share_address(0, sender.address)
         sender.connect()
-        src = CheckpointSource(ckpt_b)
-        weights = [(n, t.to(device)) for n, t in src]  # trainer weights live on the GPU
-        manifest = src.manifest()
+        sources = [CheckpointSource(ckpt_b), CheckpointSource(ckpt_a)]
+        weights = [[(n, t.to(device)) for n, t in s] for s in sources]  # trainer weights live on the GPU
+        manifest = sources[0].manifest()
         torch.cuda.synchronize()
         allocated = []
         reports = []
         for v in range(num_updates):
-            reports.append(sender.send(weights, manifest, version=v))
+            w = weights[v % 2] if alternate else weights[0]
+            reports.append(sender.send(w, manifest, version=v))
             allocated.append(torch.cuda.memory_allocated())
         del weights
         sender.close()
@@ -288,7 +361,8 @@ def gpu_sync(rank: int, world: int, backend: str, ckpt_a: str, ckpt_b: str, quan
         torch.cuda.ipc_collect()
         torch.cuda.synchronize()
         return {"fingerprints": [r.fingerprints for r in reports], "allocated": allocated,
-                "leftover": torch.cuda.memory_allocated() - baseline}
+                "leftover": torch.cuda.memory_allocated() - baseline, "num_buckets": reports[-1].num_buckets,
+                "receiver_waits": [r.receivers[0].get("transport", {}) for r in reports]}
     address = _share_address(rank, None)
     engine = ReferenceEngine.from_checkpoint(ckpt_a, device=device, quantization=quantization)
     receiver = WeightReceiver(engine, address, rank)
@@ -298,7 +372,56 @@ def gpu_sync(rank: int, world: int, backend: str, ckpt_a: str, ckpt_b: str, quan
         fps.append(receiver.receive_update().fingerprint)
         allocated.append(torch.cuda.memory_allocated())
     fresh = ReferenceEngine.from_checkpoint(ckpt_b, device=device, quantization=quantization).fingerprint()
+    fresh_a = ReferenceEngine.from_checkpoint(ckpt_a, device=device, quantization=quantization).fingerprint()
     tokens = engine.generate([[5, 6, 7]], 4)
     receiver.close()
     dist.barrier()
-    return {"fingerprints": fps, "fresh": fresh, "allocated": allocated, "tokens": tokens}
+    expected = [fresh_a if alternate and v % 2 else fresh for v in range(num_updates)]
+    return {"fingerprints": fps, "fresh": fresh, "expected": expected, "allocated": allocated, "tokens": tokens}
+
+
+def gpu_flipped_byte(rank: int, world: int, backend: str, ckpt_a: str, ckpt_b: str, verify: str) -> dict:
+    """On the GPU: rank 1 flips a byte of bucket 5 after it arrived (on its compute stream, so in stream
+    order before the checks). Every rank raises the checksum error, the engine is rolled back bitwise;
+    then a clean update equals a fresh load."""
+    device = "cuda:0" if backend == "ipc" else f"cuda:{rank}"
+    torch.cuda.set_device(device)
+    if rank == 0:
+        sender = WeightSender(TransportConfig(backend=backend, bucket_bytes=64 << 10, timeout_s=60, verify=verify),
+                              num_receivers=world - 1)
+        _share_address(0, sender.address)
+        sender.connect()
+        src = CheckpointSource(ckpt_b)
+        weights = [(n, t.to(device)) for n, t in src]
+        outcomes = []
+        for v in ("flipped", "clean"):
+            try:
+                sender.send(weights, src.manifest(), version=v)
+                outcomes.append("ok")
+            except Exception as e:
+                outcomes.append(type(e).__name__)
+        sender.close()
+        dist.barrier()
+        return {"outcomes": outcomes}
+    address = _share_address(rank, None)
+    engine = ReferenceEngine.from_checkpoint(ckpt_a, device=device)
+    receiver = WeightReceiver(engine, address, rank, rollback=True)
+    receiver.connect()
+    before = engine.fingerprint()
+    _flip_byte_in_bucket(receiver, 5)
+    outcomes = []
+    try:
+        receiver.receive_update()
+        outcomes.append("ok")
+    except Exception as e:
+        outcomes.append(type(e).__name__)
+    after = engine.fingerprint()
+    torn = torn_reason(engine.model)
+    receiver._plane.wait = type(receiver._plane).wait.__get__(receiver._plane)  # stop corrupting
+    receiver.receive_update()
+    outcomes.append("ok")
+    fresh = ReferenceEngine.from_checkpoint(ckpt_b, device=device).fingerprint()
+    final = engine.fingerprint()
+    receiver.close()
+    dist.barrier()
+    return {"outcomes": outcomes, "rolled_back": after == before, "torn": torn, "final_is_fresh": final == fresh}

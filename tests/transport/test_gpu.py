@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.transport.harness import gpu_sync
+from tests.transport.harness import gpu_flipped_byte, gpu_sync
 from tests.transport.test_faults import _run_sender_failure
 from weight_sync.manifest import tensor_checksum
 from weight_sync.testing import run_distributed
@@ -57,3 +57,66 @@ def test_a_killed_nccl_sender_makes_the_receivers_raise_within_twice_the_timeout
         assert o["error"] in ("TransportError", "TransportTimeout"), o
         assert o["raised_at"] - killed_at <= 2 * timeout_s, o
         assert o["rolled_back"] and not o["torn"]
+
+
+# Ordering: with deferred verification the host queues loads before the bytes arrive (nccl) or before
+# the sender's packing ran (ipc), and buffers are reused behind device events only. 64 KiB buckets cut
+# the tiny model into ~100 buckets per update and each update differs from the last, so a load that ran
+# before its receive / packing, or a receive or packing that overwrote a buffer still being read, leaves
+# a fingerprint different from a fresh load.
+@pytest.mark.multi_gpu
+@pytest.mark.parametrize("verify", ["deferred", "before_load"])
+def test_many_nccl_updates_with_small_buckets_stay_bitwise_equal_to_fresh_loads(verify: str, qwen3_a: Path,
+                                                                                qwen3_b: Path) -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    trainer, engine = run_distributed(gpu_sync, 2, "nccl", str(qwen3_a), str(qwen3_b), None, 20, 64 << 10, verify,
+                                      True, timeout_s=600)
+    assert trainer["num_buckets"] > 50
+    assert engine["fingerprints"] == engine["expected"]
+    waits = trainer["receiver_waits"]
+    expected_readbacks = 1 if verify == "deferred" else trainer["num_buckets"]
+    assert all(w["readback"] == expected_readbacks for w in waits), waits
+    assert len(set(trainer["allocated"][2:])) == 1 and len(set(engine["allocated"][2:])) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("verify", ["deferred", "before_load"])
+def test_many_ipc_updates_with_small_buckets_stay_bitwise_equal_to_fresh_loads(verify: str, qwen3_a: Path,
+                                                                              qwen3_b: Path) -> None:
+    trainer, engine = run_distributed(gpu_sync, 2, "ipc", str(qwen3_a), str(qwen3_b), None, 20, 64 << 10, verify,
+                                      True, timeout_s=600)
+    assert trainer["num_buckets"] > 50
+    assert engine["fingerprints"] == engine["expected"]
+    expected_readbacks = 1 if verify == "deferred" else trainer["num_buckets"]
+    assert all(w["readback"] == expected_readbacks for w in trainer["receiver_waits"])
+    assert trainer["leftover"] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["nccl", "ipc"])
+def test_a_byte_flipped_on_the_gpu_fails_the_update_everywhere_and_rolls_the_engine_back(
+    backend: str, qwen3_a: Path, qwen3_b: Path
+) -> None:
+    if backend == "nccl" and torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    trainer, engine = run_distributed(gpu_flipped_byte, 2, backend, str(qwen3_a), str(qwen3_b), "deferred",
+                                      timeout_s=400)
+    assert trainer["outcomes"] == ["AgreedChecksumError", "ok"]
+    assert engine["outcomes"] == ["AgreedChecksumError", "ok"]
+    assert engine["rolled_back"] and engine["torn"] is None
+    assert engine["final_is_fresh"]
+
+
+@pytest.mark.gpu
+def test_a_killed_ipc_sender_makes_the_receiver_raise_within_twice_the_timeout(qwen3_a: Path, qwen3_b: Path) -> None:
+    # The receiver's compute stream waits on the sender's packing events: a sender that dies mid-update
+    # must still end in an error within the bound, with the engine rolled back or (if its stream could
+    # not drain) torn, never silently mixed.
+    timeout_s = 10.0
+    outcomes, killed_at = _run_sender_failure("kill", "ipc", qwen3_a, qwen3_b, timeout_s, rollback=True,
+                                              engine_device="cuda:0", num_receivers=1)
+    for o in outcomes:
+        assert o["error"] in ("TransportError", "TransportTimeout"), o
+        assert o["raised_at"] - killed_at <= 2 * timeout_s, o
+        assert o["rolled_back"] != o["torn"], o

@@ -50,14 +50,30 @@ def test_a_flipped_byte_changes_the_bucket_checksum() -> None:
     assert bucket_checksum(data).tolist() != before
 
 
+def test_a_checksum_written_into_trailer_words_equals_the_returned_one() -> None:
+    data = torch.randint(0, 256, (4 * (65521 + 5),), dtype=torch.uint8)
+    trailer = torch.full((8,), -1, dtype=torch.int64)
+    out = bucket_checksum(data, out=trailer[6:8])
+    assert out.data_ptr() == trailer[6:8].data_ptr()
+    assert trailer[6:8].tolist() == bucket_checksum(data).tolist() and trailer[:6].tolist() == [-1] * 6
+    assert bucket_checksum(data[:0], out=trailer[6:8]).tolist() == [0, 0]
+
+
 def test_records_round_trip_through_json() -> None:
     params = WireParams(backend="gloo", bucket_bytes=1024, num_buffers=2, checksum=True, timeout_s=3.0,
-                        align_bytes=256, world_size=3)
+                        align_bytes=256, world_size=3, verify="before_load")
     assert WireParams.from_json(params.to_json()) == params
     hello = Hello(rank=2, host="h", pid=7, device="cpu")
     assert Hello.from_json(hello.to_json()) == hello
     header = ControlHeader(kind="call", seq=4, call=2, first=3, count=5, num_buckets=6)
     assert ControlHeader.from_json(header.to_json()) == header
+
+
+def test_wire_parameters_default_to_deferred_verification() -> None:
+    assert TransportConfig().verify == "deferred"
+    raw = json.dumps({"backend": "gloo", "bucket_bytes": 1024, "num_buffers": 2, "checksum": True, "timeout_s": 3.0,
+                      "align_bytes": 256, "world_size": 2})
+    assert WireParams.from_json(raw).verify == "deferred"
 
 
 def test_a_record_from_another_protocol_version_is_refused() -> None:
@@ -87,6 +103,7 @@ def test_a_long_status_message_is_truncated_to_valid_json() -> None:
         ({"bucket_bytes": 4096 + 1}, "multiple of 256"),
         ({"num_buffers": 1}, r"num_buffers must be an int in \[2, 8\]"),
         ({"timeout_s": 0}, "timeout_s must be a positive"),
+        ({"verify": "after_commit"}, r"verify must be one of \['deferred', 'before_load'\]"),
         ({"backend": "disk"}, "needs directory="),
         ({"backend": "nccl", "device": "cpu"}, "needs a CUDA device"),
         ({"backend": "shm", "device": "cuda:0"}, "keeps its buffers on the CPU"),

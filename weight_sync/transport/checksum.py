@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["bucket_checksum", "checksum_value", "tensor_checksum_fast"]
+__all__ = ["bucket_checksum", "checksum_value", "prepare_checksum", "tensor_checksum_fast"]
 
 _PERIOD = 65521
 _MASK32 = 0xFFFFFFFF
@@ -29,6 +29,18 @@ def _weight_rows(device: torch.device) -> torch.Tensor:
         w = torch.stack([ones, torch.arange(1, _PERIOD + 1, dtype=torch.int64, device=device)])
         _weights[device] = w
     return w
+
+
+def prepare_checksum(device: torch.device) -> None:
+    """Create the weight rows of ``device`` and wait for them, while nothing else is in flight (connect).
+
+    The rows are made by kernels on whichever stream asks first and then read from other streams (pack,
+    compute); made and completed up front, no stream can read them early, and no later first use has to
+    synchronize a stream that may be waiting on a transfer.
+    """
+    _weight_rows(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def bucket_checksum(data: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 RECORD = struct.Struct(f"<{RECORD_WORDS}q")
 _LENGTH = struct.Struct("<q")
 _MAX_HELLO_BYTES = 1 << 20
-_NAME = re.compile(r"^weight_sync-[0-9a-f]{32}\.sock$")
+_NAME = re.compile(r"^weight_sync-[0-9a-f]{16}\.sock$")
 _SUN_PATH_MAX = 107
 
 
@@ -149,23 +149,23 @@ class Link:
             self.sock.close()
 
 
-def _socket_dir(directory: str) -> Path:
-    d = Path(directory)
-    return d if d.is_dir() else Path(tempfile.gettempdir())
+def _socket_path(directory: str) -> Path:
+    """A fresh socket path in ``directory``, else (missing, or too long for a Unix socket address) in
+    /dev/shm or the temporary directory: the peers only need to share the directory, as for shm files."""
+    name = f"weight_sync-{uuid.uuid4().hex[:16]}.sock"
+    for d in (directory, "/dev/shm", tempfile.gettempdir()):
+        p = Path(d)
+        if p.is_dir() and len(os.fsencode(p.resolve() / name)) <= _SUN_PATH_MAX:
+            return p.resolve() / name
+    raise TransportError(f"no directory for a doorbell socket: {directory!r} is missing or its path is too long")
 
 
 class DoorbellServer:
     """The sender's listening socket, alive from connect until every receiver's link is accepted."""
 
     def __init__(self, directory: str, backlog: int) -> None:
-        d = _socket_dir(directory).resolve()
-        self.token = uuid.uuid4().hex
-        self.path = d / f"weight_sync-{uuid.uuid4().hex}.sock"
-        if len(os.fsencode(self.path)) > _SUN_PATH_MAX:
-            raise TransportError(
-                f"doorbell socket path {self.path} is longer than {_SUN_PATH_MAX} bytes; set a shorter "
-                "TransportConfig.shm_dir"
-            )
+        self.token = uuid.uuid4().hex  # 128 random bits a receiver reads from the rendezvous store
+        self.path = _socket_path(directory)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self.sock.bind(str(self.path))
@@ -173,7 +173,7 @@ class DoorbellServer:
             self.sock.listen(backlog)
         except OSError as e:
             self.close()
-            raise TransportError(f"cannot listen on a doorbell socket in {d}: {e}") from e
+            raise TransportError(f"cannot listen on a doorbell socket at {self.path}: {e}") from e
         self.sock.setblocking(False)
 
     def info(self) -> dict[str, str]:

@@ -368,6 +368,11 @@ class SharedReceiverPlane:
             # for it now waits for exactly that packing (the sender records it again only after our
             # RELEASE(k)). The host does not block; a 'before_load' check reads back behind this wait.
             self._compute.raw.wait_event(self.events[i])
+            if host:
+                # The host must see the bytes too (checks read back per bucket, or a blocking copy of the
+                # session): wait for the packing here, with the deadline.
+                self.channel.wait_event(self.events[i], f"update_weights: packing of bucket {k} by the sender (rank 0)",
+                                        "the sender's device")
         return STATUS_ABORT if status == STATUS_ABORT else None
 
     def release(self, k: int, i: int, failed: bool) -> None:

@@ -36,7 +36,7 @@ from weight_sync.transport.buffers import (
     import_ipc_buffer,
     open_shm_buffer,
 )
-from weight_sync.transport.checksum import bucket_checksum, checksum_value
+from weight_sync.transport.checksum import bucket_checksum, checksum_value, prepare_checksum
 from weight_sync.transport.config import VERIFY_MODES
 from weight_sync.transport.disk import DiskReader
 from weight_sync.transport.doorbell import Link, connect_doorbell
@@ -175,6 +175,7 @@ class WeightReceiver:
             device = torch.device("cpu")
         self.buffer_device = device
         self.shim = device_shim(device)
+        prepare_checksum(device)
         hello = Hello(rank=self.rank, host=socket.gethostname(), pid=os.getpid(), device=str(device),
                       device_uuid=device_uuid(device) if device.type == "cuda" else None)
         store.set(f"{PREFIX}/hello/{self.rank}", hello.to_json())
@@ -204,6 +205,8 @@ class WeightReceiver:
                     handles = json.loads(store.get(f"{PREFIX}/events"))
                     events = [torch.cuda.Event.from_ipc_handle(self._buffers[0].device, b64decode(h))
                               for h in handles]
+                if self._buffers:
+                    prepare_checksum(self._buffers[0].device)  # an IPC import may be another device index
                 if len(self._buffers) != params.num_buffers or any(b.numel() != nbytes for b in self._buffers):
                     raise TransportError(
                         f"[rank {self.rank}] connect: expected {params.num_buffers} shared buffers of {nbytes} "
@@ -396,6 +399,11 @@ class WeightReceiver:
             raise TransportError(msg)
         sizes = [b.payload_bytes + TRAILER_BYTES for b in layout.buckets]
         deferred = self.params.verify == "deferred"
+        # Whether the host waits (with the deadline) for each bucket to arrive before queueing its work.
+        # Deferred: no, the compute stream waits on the device. Except with rollback on CUDA: the session
+        # snapshots a layer with a blocking device->host copy before its first write, and that copy must
+        # never sit behind a receive (or a peer's packing) that may never complete.
+        host_wait = not deferred or (self.buffer_device.type == "cuda" and bool(self.session_options["rollback"]))
         checks = self._check_table(layout.num_buckets)
         self._plane.begin_call(sizes, header.seq, header.call)
         nb = len(self._buffers)
@@ -406,7 +414,7 @@ class WeightReceiver:
             i = k % nb
             # deferred: the compute stream waits for bucket k on the device and the host goes on; the
             # receive of bucket k+1 (k+n-1) is already posted, so it lands while bucket k is loaded.
-            plane_status = self._plane.wait(k, i, host=not deferred)
+            plane_status = self._plane.wait(k, i, host=host_wait)
             if error is None and not aborted:
                 try:
                     if plane_status == STATUS_ABORT:

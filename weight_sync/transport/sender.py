@@ -34,7 +34,7 @@ from weight_sync.transport.buffers import (
     export_ipc_buffer,
     unlink_shm_buffers,
 )
-from weight_sync.transport.checksum import bucket_checksum
+from weight_sync.transport.checksum import bucket_checksum, prepare_checksum
 from weight_sync.transport.config import ALIGN_BYTES, TransportConfig
 from weight_sync.transport.disk import DiskWriter
 from weight_sync.transport.doorbell import DoorbellServer, Link
@@ -168,6 +168,7 @@ class WeightSender:
             torch.cuda.set_device(device)
         self.device = device
         self.shim = device_shim(device)
+        prepare_checksum(device)
         peers = "the receivers " + ", ".join(p.describe() for p in self.peers)
         ctl = make_group("gloo", store, f"{PREFIX}/ctl", 0, self.world_size, cfg.timeout_s)
         self._channel = Channel(ctl, 0, self.world_size, cfg.timeout_s, peers)
