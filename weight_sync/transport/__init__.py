@@ -9,12 +9,19 @@ chosen by ``TransportConfig.backend``:
   buckets of complete blocks in block order, two buffers and two streams allocated once, packing of bucket
   k+1 overlapped with the broadcast of bucket k, receiving overlapped with loading.
 - ``gloo``: the same protocol and code path on CPU.
-- ``ipc``: colocated on one GPU; the sender's buffers are exported once per receiver with CUDA IPC.
+- ``ipc``: colocated on one GPU; the sender's buffers are exported once per receiver with CUDA IPC, and
+  interprocess events order the receiver's loads behind the sender's packing on the device.
 - ``shm``: colocated on one host; CPU shared-memory buffers, only names and sizes travel (JSON).
+  shm and ipc signal READY / RELEASE per bucket over a Unix-socket doorbell, not collectives.
 - ``disk``: a safetensors directory per update, read back in block order through mmap.
 
-Every bucket carries an on-device checksum compared end to end; metadata is JSON, never pickle; every
-wait has a timeout; a failure on any rank is agreed through a status exchange and raised on every rank.
+Every bucket carries an on-device checksum compared end to end. ``TransportConfig.verify``: 'deferred'
+(default) compares trailers and checksums on the device while buckets keep flowing and reads the verdict
+once per ``update_weights`` call, before the status exchange (a bad bucket may already be loaded, but the
+update is never committed); 'before_load' reads each bucket's check back before loading it. Inside the
+bucket loop the host never waits for the device except to stay a bounded number of buckets ahead;
+buffer reuse is ordered with events. Metadata is JSON, never pickle; every wait has a timeout; a failure
+on any rank is agreed through a status exchange and raised on every rank.
 
 Limitations: one sender (rank 0) per transport; every receiver gets the full model (no resharding
 transfer: each engine rank shards what it receives); tensors must be produced in the manifest's block
@@ -23,7 +30,7 @@ again; ``ipc`` needs the receivers on the sender's physical GPU.
 """
 
 from weight_sync.transport.checksum import bucket_checksum, checksum_value, tensor_checksum_fast
-from weight_sync.transport.config import ALIGN_BYTES, BACKENDS, TransportConfig
+from weight_sync.transport.config import ALIGN_BYTES, BACKENDS, VERIFY_MODES, TransportConfig
 from weight_sync.transport.layout import (
     Bucket,
     BucketLayout,
@@ -38,6 +45,7 @@ from weight_sync.transport.status import AgreedChecksumError, AgreedManifestErro
 __all__ = [
     "ALIGN_BYTES",
     "BACKENDS",
+    "VERIFY_MODES",
     "AgreedChecksumError",
     "AgreedManifestError",
     "AgreedSourceError",
