@@ -60,8 +60,9 @@ def test_a_killed_nccl_sender_makes_the_receivers_raise_within_twice_the_timeout
 
 
 # Ordering: with deferred verification the host queues loads before the bytes arrive (nccl) or before
-# the sender's packing ran (ipc), and buffers are reused behind device events only. 64 KiB buckets cut
-# the tiny model into ~100 buckets per update and each update differs from the last, so a load that ran
+# the sender's packing ran (ipc), and buffers are reused behind device events only. 16 KiB buckets cut
+# the tiny model (1.1 MB) into ~70 buckets per update (64 KiB gave 19 on the H200 run of 2026-11-30, below
+# the precondition) and each update differs from the last, so a load that ran
 # before its receive / packing, or a receive or packing that overwrote a buffer still being read, leaves
 # a fingerprint different from a fresh load.
 @pytest.mark.multi_gpu
@@ -70,7 +71,7 @@ def test_many_nccl_updates_with_small_buckets_stay_bitwise_equal_to_fresh_loads(
                                                                                 qwen3_b: Path) -> None:
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    trainer, engine = run_distributed(gpu_sync, 2, "nccl", str(qwen3_a), str(qwen3_b), None, 20, 64 << 10, verify,
+    trainer, engine = run_distributed(gpu_sync, 2, "nccl", str(qwen3_a), str(qwen3_b), None, 20, 16 << 10, verify,
                                       True, timeout_s=600)
     assert trainer["num_buckets"] > 50
     assert engine["fingerprints"] == engine["expected"]
@@ -84,7 +85,7 @@ def test_many_nccl_updates_with_small_buckets_stay_bitwise_equal_to_fresh_loads(
 @pytest.mark.parametrize("verify", ["deferred", "before_load"])
 def test_many_ipc_updates_with_small_buckets_stay_bitwise_equal_to_fresh_loads(verify: str, qwen3_a: Path,
                                                                               qwen3_b: Path) -> None:
-    trainer, engine = run_distributed(gpu_sync, 2, "ipc", str(qwen3_a), str(qwen3_b), None, 20, 64 << 10, verify,
+    trainer, engine = run_distributed(gpu_sync, 2, "ipc", str(qwen3_a), str(qwen3_b), None, 20, 16 << 10, verify,
                                       True, timeout_s=600)
     assert trainer["num_buckets"] > 50
     assert engine["fingerprints"] == engine["expected"]
