@@ -7,11 +7,8 @@ import json
 import time
 from pathlib import Path
 
-import torch
-
+from weight_sync.engine.config import MODEL_DTYPES
 from weight_sync.quant.registry import QUANTIZATION_NAMES
-
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def encode(path: Path, text: str) -> list[int]:
@@ -33,7 +30,7 @@ def _run(args: argparse.Namespace) -> int:
     path = Path(args.checkpoint)
     t0 = time.perf_counter()
     engine = ReferenceEngine.from_checkpoint(
-        path, dtype=_DTYPES[args.dtype] if args.dtype else None, device=args.device,
+        path, dtype=MODEL_DTYPES[args.dtype] if args.dtype else None, device=args.device,
         quantization=args.quantization, progress=True,
     )
     load_s = time.perf_counter() - t0
@@ -61,7 +58,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt", action="append", help="prompt text (repeatable); default '3 4 = '")
     p.add_argument("--max-new-tokens", type=int, default=8)
     p.add_argument("--quantization", choices=sorted(QUANTIZATION_NAMES), default=None)
-    p.add_argument("--dtype", choices=sorted(_DTYPES), default=None)
+    p.add_argument("--dtype", choices=sorted(MODEL_DTYPES), default=None)
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
     p.set_defaults(func=_run)

@@ -12,13 +12,14 @@ import torch
 
 from weight_sync.errors import ConfigError
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig"]
+__all__ = ["MODEL_DTYPES", "SUPPORTED_ARCHITECTURES", "ModelConfig"]
 
 SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "LlamaForCausalLM": "llama",
 }
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+#: dtypes a model can be built in, by their config.json / CLI names.
+MODEL_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -119,7 +120,7 @@ class ModelConfig:
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                 attention_bias=bool(d.get("attention_bias", False)),
                 max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
-                dtype=_DTYPES.get(str(dtype_name), torch.bfloat16),
+                dtype=MODEL_DTYPES.get(str(dtype_name), torch.bfloat16),
             )
         except KeyError as e:
             raise ConfigError(f"{source}: missing required field {e.args[0]!r}") from None

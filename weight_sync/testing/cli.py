@@ -5,11 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
-import torch
-
+from weight_sync.engine.config import MODEL_DTYPES
 from weight_sync.testing.checkpoint import ARCHS, PRESETS, make_checkpoint
-
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def _parse_override(text: str) -> tuple[str, object]:
@@ -24,7 +21,7 @@ def _parse_override(text: str) -> tuple[str, object]:
 
 def _run(args: argparse.Namespace) -> int:
     path = make_checkpoint(
-        args.path, arch=args.arch, preset=args.preset, seed=args.seed, dtype=_DTYPES[args.dtype],
+        args.path, arch=args.arch, preset=args.preset, seed=args.seed, dtype=MODEL_DTYPES[args.dtype],
         tokenizer=not args.no_tokenizer, **dict(args.set),
     )
     print(f"wrote {args.arch}/{args.preset} (seed {args.seed}) to {path}")
@@ -41,7 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--arch", choices=sorted(ARCHS), default="qwen3")
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16")
+    p.add_argument("--dtype", choices=sorted(MODEL_DTYPES), default="bfloat16")
     p.add_argument("--no-tokenizer", action="store_true", help="skip tokenizer files")
     p.add_argument("--set", type=_parse_override, action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field (JSON value), e.g. --set hidden_size=96")

@@ -302,3 +302,15 @@ def agreed_failure(statuses: list[RankStatus]) -> list[RankStatus]:
 def describe_failures(failed: list[RankStatus], phase: str, world_size: int) -> str:
     parts = [f"rank {s.rank}{' (sender)' if s.rank == 0 else ''}: {s.error_type}: {s.message}" for s in failed]
     return f"{phase} failed on {len(failed)} of {world_size} ranks; " + "; ".join(parts)
+
+
+def warm_up(channel: Channel, data: Any, device: torch.device) -> None:
+    """One tiny broadcast from rank 0 on the data group, at connect.
+
+    The first collective creates the communicator (NCCL: seconds); doing it now keeps that cost out of
+    the first update, and a peer that cannot join fails the connect, naming the phase.
+    """
+    warm = torch.zeros(1, dtype=torch.int64, device=device)
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    channel.wait(channel.guard("connect", lambda: data.broadcast([warm], opts)), "connect")

@@ -24,7 +24,6 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from weight_sync.errors import ChecksumError, TransportError, TransportTimeout, UpdateStateError
@@ -40,7 +39,7 @@ from weight_sync.transport.checksum import bucket_checksum, checksum_value, prep
 from weight_sync.transport.config import VERIFY_MODES
 from weight_sync.transport.disk import DiskReader
 from weight_sync.transport.doorbell import Link, connect_doorbell
-from weight_sync.transport.group import Channel, Deadline, join_store, make_group, poll
+from weight_sync.transport.group import Channel, Deadline, join_store, make_group, poll, warm_up
 from weight_sync.transport.layout import Bucket, BucketLayout, plan_buckets
 from weight_sync.transport.planes import BroadcastReceiverPlane, SharedReceiverPlane
 from weight_sync.transport.status import raise_agreed, status_of
@@ -188,10 +187,7 @@ class WeightReceiver:
             self._channel.add_group(data)
             self._buffers = allocate_buffers(params.num_buffers, nbytes, device)
             self._plane = BroadcastReceiverPlane(self._channel, data, self._buffers, self.shim)
-            warm = torch.zeros(1, dtype=torch.int64, device=device)
-            opts = dist.BroadcastOptions()
-            opts.rootRank = 0
-            self._channel.wait(self._channel.guard("connect", lambda: data.broadcast([warm], opts)), "connect")
+            warm_up(self._channel, data, device)
         else:
             events: list[Any] | None = None
             try:

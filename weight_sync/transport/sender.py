@@ -23,7 +23,6 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from weight_sync.errors import ManifestError, SourceError, TransportError, WeightSyncError
 from weight_sync.layers.streams import device_shim
@@ -38,7 +37,7 @@ from weight_sync.transport.checksum import bucket_checksum, prepare_checksum
 from weight_sync.transport.config import ALIGN_BYTES, TransportConfig
 from weight_sync.transport.disk import DiskWriter
 from weight_sync.transport.doorbell import DoorbellServer, Link
-from weight_sync.transport.group import Channel, host_store, make_group
+from weight_sync.transport.group import Channel, host_store, make_group, warm_up
 from weight_sync.transport.layout import Bucket, BucketLayout, check_block_order, plan_buckets
 from weight_sync.transport.planes import BroadcastSenderPlane, SharedSenderPlane
 from weight_sync.transport.status import raise_agreed, status_of
@@ -179,11 +178,7 @@ class WeightSender:
             self._channel.add_group(data)
             self._buffers = allocate_buffers(cfg.num_buffers, nbytes, device)
             self._plane = BroadcastSenderPlane(self._channel, data, self._buffers, self.shim)
-            # First collective creates the communicator (NCCL: seconds); do it now, not in update 1.
-            warm = torch.zeros(1, dtype=torch.int64, device=device)
-            opts = dist.BroadcastOptions()
-            opts.rootRank = 0
-            self._channel.wait(self._channel.guard("connect", lambda: data.broadcast([warm], opts)), "connect")
+            warm_up(self._channel, data, device)
         else:
             status = self._connect_shared(store, nbytes)
         try:
