@@ -16,7 +16,7 @@ from __future__ import annotations
 import base64
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from weight_sync.errors import TransportError
 
@@ -68,10 +68,17 @@ def decode_json(raw: str | bytes, what: str) -> dict[str, Any]:
     return d
 
 
-def _require(d: dict[str, Any], what: str, *keys: str) -> None:
+R = TypeVar("R")
+
+
+def _record(cls: type[R], d: dict[str, Any], what: str, *keys: str) -> R:
+    """Build the wire record ``cls`` from a peer's dict: ``keys`` must be present, unknown keys are
+    ignored (a newer peer may add fields), and a missing one is a TransportError naming the record."""
     missing = [k for k in keys if k not in d]
     if missing:
         raise TransportError(f"{what}: record lacks field(s) {missing}: {sorted(d)}")
+    fields = cls.__dataclass_fields__  # type: ignore[attr-defined]
+    return cls(**{k: d[k] for k in fields if k in d})
 
 
 def b64encode(raw: bytes | None) -> str | None:
@@ -102,9 +109,8 @@ class WireParams:
     @classmethod
     def from_json(cls, raw: str | bytes) -> WireParams:
         d = decode_json(raw, "wire parameters")
-        _require(d, "wire parameters", "backend", "bucket_bytes", "num_buffers", "checksum",
+        return _record(cls, d, "wire parameters", "backend", "bucket_bytes", "num_buffers", "checksum",
                  "timeout_s", "align_bytes", "world_size")
-        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -124,8 +130,7 @@ class Hello:
     @classmethod
     def from_json(cls, raw: str | bytes) -> Hello:
         d = decode_json(raw, "receiver hello")
-        _require(d, "receiver hello", "rank", "host", "pid", "device")
-        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+        return _record(cls, d, "receiver hello", "rank", "host", "pid", "device")
 
     def describe(self) -> str:
         return f"rank {self.rank} (pid {self.pid} on {self.host}, {self.device})"
@@ -165,8 +170,7 @@ class ControlHeader:
     @classmethod
     def from_json(cls, raw: str | bytes) -> ControlHeader:
         d = decode_json(raw, "control header")
-        _require(d, "control header", "kind", "seq")
-        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+        return _record(cls, d, "control header", "kind", "seq")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -198,8 +202,7 @@ class RankStatus:
             return cls(rank=rank_hint, ok=False, phase="?", error_type="TransportError",
                        message=f"rank {rank_hint} sent an empty status record")
         d = decode_json(raw, f"status of rank {rank_hint}")
-        _require(d, f"status of rank {rank_hint}", "rank", "ok", "phase")
-        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+        return _record(cls, d, f"status of rank {rank_hint}", "rank", "ok", "phase")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -216,8 +219,7 @@ class ShmBufferHandle:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ShmBufferHandle:
-        _require(d, "shm buffer handle", "name", "directory", "nbytes")
-        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+        return _record(cls, d, "shm buffer handle", "name", "directory", "nbytes")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -244,7 +246,6 @@ class IpcBufferHandle:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> IpcBufferHandle:
-        _require(d, "CUDA IPC buffer handle", "device_uuid", "handle", "storage_size_bytes",
+        return _record(cls, d, "CUDA IPC buffer handle", "device_uuid", "handle", "storage_size_bytes",
                  "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle",
                  "event_sync_required", "nbytes")
-        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
