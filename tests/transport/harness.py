@@ -7,6 +7,9 @@ engine's TP subgroup; the transport forms its own groups through the sender's st
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import gc
 import itertools
 import os
 import resource
@@ -26,6 +29,16 @@ from weight_sync.transport import TransportConfig, WeightReceiver, WeightSender
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def settled_rss_bytes() -> int:
+    """RSS after garbage collection and glibc's malloc_trim: freed heap that the allocator keeps in its
+    arenas is returned first, so what remains is memory something still holds (a leak shows; arena
+    churn from one update to the next does not)."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    return rss_bytes()
 
 
 def _share_address(rank: int, address: str | None) -> str:
@@ -200,13 +213,13 @@ def repeated_updates(rank: int, world: int, backend: str, ckpt_a: str, ckpt_b: s
         rss = []
         for v in range(num_updates):
             end.send(sources[v % 2], manifests[v % 2], version=v)
-            rss.append(rss_bytes())
+            rss.append(settled_rss_bytes())
         end.close()
         return {"rss": rss}
     rss, fps = [], []
     for _ in range(num_updates):
         fps.append(end.receive_update().fingerprint)
-        rss.append(rss_bytes())
+        rss.append(settled_rss_bytes())
     end.close()
     return {"rss": rss, "fingerprints": fps}
 
