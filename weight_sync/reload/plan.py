@@ -136,7 +136,7 @@ def swapped_tensors(layers: Iterable[LayerInfo]) -> Iterator[dict[int, tuple[str
             attrs = {k: v for k, v in vars(mod).items() if isinstance(v, torch.Tensor)}
             saved.append((mod, dict(mod._parameters), dict(mod._buffers), attrs))
             for rec in info.records.values():
-                t = rematerialize_meta(rec)
+                t = rematerialize(rec, "meta")  # same class, layout and loader attributes; no memory
                 install_tensor(mod, rec, t)
                 storages[t.untyped_storage()._cdata] = (info.name, rec.name)
         yield storages
@@ -149,11 +149,6 @@ def swapped_tensors(layers: Iterable[LayerInfo]) -> Iterator[dict[int, tuple[str
             for k in [k for k, v in vars(mod).items() if isinstance(v, torch.Tensor)]:
                 del mod.__dict__[k]
             mod.__dict__.update(attrs)
-
-
-def rematerialize_meta(rec) -> torch.Tensor:
-    """A meta tensor with the record's class, layout and loader attributes (no memory)."""
-    return rematerialize(rec, "meta")
 
 
 def _is_mutating(func) -> bool:

@@ -71,7 +71,6 @@ class _OpenLayer:
     extra_attrs: dict[str, Any]
     nbytes: int
     spilled: bool
-    keys_seen: set[str] = field(default_factory=set)
     # Raw staging buffers (and their pool keys), handed back for reuse once the layer is processed.
     raw: dict[str, tuple[tuple, torch.Tensor]] = field(default_factory=dict)
 
@@ -326,7 +325,6 @@ class UpdateSession:
             ol = self._open.get(layer)
             if ol is not None:
                 ol.remaining.discard(name)
-                ol.keys_seen.add(name)
                 if not ol.remaining and self.expected is not None:
                     self._complete(ol)
 
