@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from weight_sync.checksum import tensor_checksum
 from weight_sync.errors import ManifestError
 
 __all__ = [
@@ -52,26 +53,6 @@ def dtype_from_str(name: str) -> torch.dtype:
         return _DTYPES[name.removeprefix("torch.")]
     except KeyError:
         raise ManifestError(f"unknown dtype {name!r}; supported: {sorted(_DTYPES)}") from None
-
-
-def tensor_checksum(t: torch.Tensor) -> int:
-    """A cheap, order-sensitive 64-bit checksum of a tensor's bytes, computed on its device.
-
-    A plain sum and a position-weighted sum of the 32-bit words (int64 arithmetic, wrapping mod 2**64,
-    which is associative, so reduction order on any device gives the same value) catch flipped bytes and
-    swapped words; it is not cryptographic. The result is identical on CPU and CUDA.
-    """
-    flat = t.detach().contiguous().view(-1).view(torch.uint8)
-    n = flat.numel()
-    pad = (-n) % 4
-    if pad:
-        flat = torch.cat([flat, flat.new_zeros(pad)])
-    words = flat.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    # Position weights keep the checksum sensitive to where a change happens, not only to the sum.
-    weights = (torch.arange(words.numel(), device=words.device, dtype=torch.int64) % 65521) + 1
-    s1 = int(words.sum().item())
-    s2 = int((words * weights).sum().item())
-    return ((s1 & 0xFFFFFFFF) << 32 | (s2 & 0xFFFFFFFF)) ^ n
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,7 +29,7 @@ order; after a communication failure (dead peer, timeout) the transport is broke
 again; ``ipc`` needs the receivers on the sender's physical GPU.
 """
 
-from weight_sync.transport.checksum import bucket_checksum, checksum_value, tensor_checksum_fast
+from weight_sync.checksum import bucket_checksum, checksum_value
 from weight_sync.transport.config import ALIGN_BYTES, BACKENDS, VERIFY_MODES, TransportConfig
 from weight_sync.transport.layout import (
     Bucket,
@@ -60,5 +60,4 @@ __all__ = [
     "check_block_order",
     "checksum_value",
     "plan_buckets",
-    "tensor_checksum_fast",
 ]

@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
+from weight_sync.checksum import tensor_checksum
 from weight_sync.errors import ChecksumError, ManifestError, TransportError, TransportTimeout
 from weight_sync.manifest import Manifest, TensorMeta
 from weight_sync.safetensors_io import map_safetensors
-from weight_sync.transport.checksum import tensor_checksum_fast
 from weight_sync.transport.config import ALIGN_BYTES, TransportConfig
 from weight_sync.transport.layout import plan_buckets
 from weight_sync.transport.wire import PROTOCOL_VERSION, decode_json
@@ -84,7 +84,7 @@ class DiskWriter:
                 flat = source.next_flat(seg.index)
                 meta = metas[seg.index]
                 t = flat.view(meta.dtype).view(meta.shape)
-                checksum = tensor_checksum_fast(t)
+                checksum = tensor_checksum(t)
                 tensors[meta.name] = t.cpu()
                 entries.append({"name": meta.name, "checksum": checksum})
                 self._metas.append(TensorMeta(meta.name, meta.dtype, meta.shape, checksum))
@@ -172,7 +172,7 @@ class DiskReader:
                 name = e["name"]
                 if name not in mapped:
                     raise ManifestError(f"{self._dir / f['file']}: lacks {name!r} listed in manifest.json")
-                got = tensor_checksum_fast(mapped[name])
+                got = tensor_checksum(mapped[name])
                 if got != e["checksum"]:
                     raise ChecksumError(
                         f"{self._dir / f['file']}: {name} checksum {got:#018x}, manifest says {e['checksum']:#018x}"

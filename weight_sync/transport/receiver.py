@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from weight_sync.checksum import bucket_checksum, checksum_value, prepare_checksum
 from weight_sync.errors import ChecksumError, TransportError, TransportTimeout, UpdateStateError
 from weight_sync.layers.streams import device_shim
 from weight_sync.manifest import Manifest
@@ -35,7 +36,6 @@ from weight_sync.transport.buffers import (
     import_ipc_buffer,
     open_shm_buffer,
 )
-from weight_sync.transport.checksum import bucket_checksum, checksum_value, prepare_checksum
 from weight_sync.transport.config import VERIFY_MODES
 from weight_sync.transport.disk import DiskReader
 from weight_sync.transport.doorbell import Link, connect_doorbell

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from weight_sync.checksum import bucket_checksum, prepare_checksum
 from weight_sync.errors import ManifestError, SourceError, TransportError, WeightSyncError
 from weight_sync.layers.streams import device_shim
 from weight_sync.manifest import Manifest, TensorMeta, dtype_to_str
@@ -33,7 +34,6 @@ from weight_sync.transport.buffers import (
     export_ipc_buffer,
     unlink_shm_buffers,
 )
-from weight_sync.transport.checksum import bucket_checksum, prepare_checksum
 from weight_sync.transport.config import ALIGN_BYTES, TransportConfig
 from weight_sync.transport.disk import DiskWriter
 from weight_sync.transport.doorbell import DoorbellServer, Link

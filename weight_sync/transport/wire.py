@@ -8,7 +8,7 @@ Wire layout of a bucket (the same for broadcast and shared-buffer backends)::
     [ payload: tensors at 256-byte aligned offsets | trailer: 8 little-endian int64 words ]
 
 The trailer words are ``TRAILER_FIELDS`` in order; the checksum halves are the two 32-bit sums of
-:func:`weight_sync.transport.checksum.bucket_checksum`.
+:func:`weight_sync.checksum.bucket_checksum`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
-"""Bucket checksums computed on the bucket's device in one read pass, equal to ``tensor_checksum``.
+"""On-device checksums of tensors and transport buckets, computed in one read pass.
 
-:func:`weight_sync.manifest.tensor_checksum` keeps two 32-bit sums of the 32-bit words: a plain sum and a
-sum weighted by ``(i % 65521) + 1``. Only their low 32 bits matter, so the words can be summed as signed
+The checksum of ``n`` bytes keeps two 32-bit sums of the little-endian 32-bit words (the last one
+zero-padded): a plain sum and a sum weighted by ``(i % 65521) + 1``, so flipped bytes and swapped words both
+change it (it is not cryptographic); the 64-bit value is ``(plain << 32 | weighted) ^ n``, identical on CPU
+and CUDA. Only the low 32 bits of each sum matter, so the words can be summed as signed
 int32 with wrap-around (equal mod 2**32 to the unsigned sums), and the weighted sum needs no weight
 tensor as large as the data: viewing the words as rows of 65521 columns, every column has one weight,
 so one column reduction (no int64 copy of the data) followed by a 65521-element dot product gives both
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["bucket_checksum", "checksum_value", "prepare_checksum", "tensor_checksum_fast"]
+__all__ = ["bucket_checksum", "checksum_value", "prepare_checksum", "tensor_checksum"]
 
 _PERIOD = 65521
 _MASK32 = 0xFFFFFFFF
@@ -86,8 +88,9 @@ def checksum_value(halves: tuple[int, int] | list[int] | torch.Tensor, nbytes: i
     return ((hi & _MASK32) << 32 | (lo & _MASK32)) ^ nbytes
 
 
-def tensor_checksum_fast(t: torch.Tensor) -> int:
-    """``tensor_checksum(t)`` in one read pass (no int64 copy of the data); any length, any device."""
+def tensor_checksum(t: torch.Tensor) -> int:
+    """The 64-bit checksum of a tensor's bytes (module docstring), any length, any device; one read pass,
+    no int64 copy of the data, one read-back of two words."""
     flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
     n = flat.numel()
     whole = n - n % 4
