@@ -368,7 +368,7 @@ def gpu_sync(rank: int, world: int, backend: str, ckpt_a: str, ckpt_b: str, quan
             w = weights[v % 2] if alternate else weights[0]
             reports.append(sender.send(w, manifest, version=v))
             allocated.append(torch.cuda.memory_allocated())
-        del weights
+        del weights, w  # the trainer's own tensors: not transport memory
         sender.close()
         dist.barrier()  # the receivers have closed (released their imports)
         torch.cuda.ipc_collect()
