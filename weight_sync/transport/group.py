@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -187,6 +188,32 @@ class Channel:
                     fn()
                 except Exception as e:
                     log.debug("[rank %d] cleanup after a failure failed: %s", self.rank, e)
+
+    def close(self) -> None:
+        """Release the groups at close without waiting for the peers to close theirs.
+
+        NCCL's graceful ``shutdown`` (finalize + destroy) is collective within a node: a sender closed
+        while its engines keep their receivers open (a rollout worker idle between RPCs) would block
+        until they close too, possibly forever. The caller drained its device first, so nothing is in
+        flight and ``abort`` frees the communicator without a peer rendezvous; it still runs on a daemon
+        thread joined with the channel's deadline, because NCCL's teardown may wait on its proxy threads.
+        """
+        groups, self._groups, self._on_fail = self._groups, [], []
+        nccl_type = getattr(dist, "ProcessGroupNCCL", None)
+        nccl = [g for g in groups if nccl_type is not None and isinstance(g, nccl_type)]
+        if not nccl:
+            return
+
+        def release() -> None:
+            for g in nccl:
+                abort_group(g)
+
+        t = threading.Thread(target=release, name=f"ws-close-groups-rank{self.rank}", daemon=True)
+        t.start()
+        t.join(self.timeout_s)
+        if t.is_alive():
+            log.warning("[rank %d] NCCL teardown did not finish within %.0f s; left to a daemon thread",
+                        self.rank, self.timeout_s)
 
     def wait(self, work: Any, phase: str, timeout_s: float | None = None) -> None:
         """Wait for ``work`` with a deadline; a timeout or comm error breaks the channel and raises."""

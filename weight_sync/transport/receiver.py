@@ -627,14 +627,8 @@ class WeightReceiver:
             self._link = None
         self._buffers = []  # drops the single import of each IPC buffer (its reference is released)
         self._staging = None
-        if self._channel is not None and self.params is not None and self.params.backend == "nccl":
-            for g in self._channel._groups:
-                shutdown = getattr(g, "shutdown", None)
-                if shutdown is not None:
-                    try:
-                        shutdown()
-                    except Exception as e:
-                        log.debug("[rank %d] group shutdown failed: %s", self.rank, e)
+        if self._channel is not None:
+            self._channel.close()
         self._channel = None
         self._store = None
         self._state = "closed"

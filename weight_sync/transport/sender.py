@@ -532,13 +532,7 @@ class WeightSender:
             link.close()
         self._links = {}
         if self._channel is not None:
-            for g in self._channel._groups:
-                shutdown = getattr(g, "shutdown", None)
-                if shutdown is not None and self.config.backend == "nccl":
-                    try:
-                        shutdown()
-                    except Exception as e:
-                        log.debug("[rank 0] group shutdown failed: %s", e)
+            self._channel.close()
             self._channel = None
         if self.config.backend == "ipc" and torch.cuda.is_available():
             torch.cuda.ipc_collect()
