@@ -63,9 +63,10 @@ def _unblock(t: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
     return t.reshape(nb * bn, kb * bk)[: shape[0], : shape[1]]
 
 
-def _f32_copy(t: torch.Tensor) -> torch.Tensor:
-    # Always a copy: .float() on an fp32 tensor returns the tensor itself, and it is scaled in place.
-    return t.to(torch.float32, copy=True)
+# fp32 scratch per chunk of rows: small enough to stay in a large L2 cache between the scale, clamp and
+# cast passes, and to bound the temporary memory of quantizing a weight during a live update (a whole
+# fp32 copy of a fused gate_up projection is twice its bf16 size on top of everything else).
+_CHUNK_BYTES = 16 << 20
 
 
 def _absmax(t: torch.Tensor, dim: int | tuple[int, ...] | None = None) -> torch.Tensor:
@@ -75,6 +76,22 @@ def _absmax(t: torch.Tensor, dim: int | tuple[int, ...] | None = None) -> torch.
     return torch.maximum(t.amax(dim=dim), -t.amin(dim=dim)).float()
 
 
+def _scale_rows(chunk: torch.Tensor, r0: int, scale: torch.Tensor, config: Fp8Config) -> None:
+    """Divide fp32 ``chunk`` (rows ``r0..`` of the weight) in place by its scales."""
+    if config.granularity == "tensor":
+        chunk.div_(scale)
+    elif config.granularity == "channel":
+        chunk.div_(scale[r0 : r0 + chunk.shape[0], None])
+    else:
+        bn, bk = config.block_size
+        rows, cols = chunk.shape
+        s = scale[r0 // bn : -(-(r0 + rows) // bn)]
+        if rows % bn == 0 and cols % bk == 0:
+            chunk.view(rows // bn, bn, cols // bk, bk).div_(s[:, None, :, None])
+        else:  # a ragged edge: divide a zero-padded copy of the chunk, tile by tile
+            chunk.copy_(_unblock(_blocks(chunk, bn, bk).div_(s[:, None, :, None]), (rows, cols)))
+
+
 def quantize_fp8(
     w: torch.Tensor,
     config: Fp8Config,
@@ -82,25 +99,28 @@ def quantize_fp8(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a 2-D weight to fp8 e4m3; returns (qweight, fp32 scale) with ``w ~= q * scale``.
 
-    Peak temporary memory is one fp32 copy of the weight (scaled and clamped in place).
+    The scales come from one pass over ``w``; the values are then scaled, clamped and cast in chunks of
+    rows (whole tiles for 'block'), so the temporary memory is one ~16 MB fp32 chunk, not an fp32 copy
+    of the weight. Every element sees the same operations as an unchunked quantization: bitwise equal.
     """
     if w.dim() != 2:
         raise ConfigError(f"fp8 quantization needs a 2-D weight, got shape {tuple(w.shape)}")
+    n, k = w.shape
     if config.granularity == "tensor":
-        amax = reduce_max(_absmax(w).reshape(1), group)
-        scale = amax.clamp(min=_EPS) / FP8_MAX
-        scaled = _f32_copy(w).div_(scale)
+        scale = reduce_max(_absmax(w).reshape(1), group).clamp(min=_EPS) / FP8_MAX
     elif config.granularity == "channel":
         scale = _absmax(w, 1).clamp(min=_EPS) / FP8_MAX
-        scaled = _f32_copy(w).div_(scale[:, None])
     else:
-        # Tiles are views of (at most) one padded copy; the scale broadcasts over each tile.
-        tiles = _blocks(w, *config.block_size)
-        scale = _absmax(tiles, (1, 3)).clamp(min=_EPS) / FP8_MAX
-        scaled_tiles = _f32_copy(tiles).div_(scale[:, None, :, None])
-        scaled = _unblock(scaled_tiles, (w.shape[0], w.shape[1]))
-    q = scaled.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q.contiguous(), scale.contiguous()
+        # Tiles are views of (at most) one padded copy; one scale per tile.
+        scale = _absmax(_blocks(w, *config.block_size), (1, 3)).clamp(min=_EPS) / FP8_MAX
+    step = config.block_size[0] if config.granularity == "block" else 1
+    rows = max(step, _CHUNK_BYTES // (4 * max(k, 1)) // step * step)
+    q = torch.empty((n, k), dtype=torch.float8_e4m3fn, device=w.device)
+    for r0 in range(0, n, rows):
+        chunk = w[r0 : r0 + rows].to(torch.float32, copy=True)
+        _scale_rows(chunk, r0, scale, config)
+        q[r0 : r0 + rows].copy_(chunk.clamp_(-FP8_MAX, FP8_MAX))
+    return q, scale.contiguous()
 
 
 def dequantize_fp8(
