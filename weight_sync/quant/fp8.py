@@ -63,10 +63,10 @@ def _unblock(t: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
     return t.reshape(nb * bn, kb * bk)[: shape[0], : shape[1]]
 
 
-# fp32 scratch per chunk of rows: small enough to stay in a large L2 cache between the scale, clamp and
-# cast passes, and to bound the temporary memory of quantizing a weight during a live update (a whole
-# fp32 copy of a fused gate_up projection is twice its bf16 size on top of everything else).
-_CHUNK_BYTES = 16 << 20
+# fp32 scratch per chunk of rows: bounds the temporary memory of quantizing a weight during a live update
+# (a whole fp32 copy of a fused gate_up projection is twice its bf16 size on top of everything else)
+# while keeping the number of kernel launches per weight small.
+_CHUNK_BYTES = 64 << 20
 
 
 def _absmax(t: torch.Tensor, dim: int | tuple[int, ...] | None = None) -> torch.Tensor:
@@ -76,20 +76,24 @@ def _absmax(t: torch.Tensor, dim: int | tuple[int, ...] | None = None) -> torch.
     return torch.maximum(t.amax(dim=dim), -t.amin(dim=dim)).float()
 
 
-def _scale_rows(chunk: torch.Tensor, r0: int, scale: torch.Tensor, config: Fp8Config) -> None:
-    """Divide fp32 ``chunk`` (rows ``r0..`` of the weight) in place by its scales."""
+def _scaled_rows(w: torch.Tensor, r0: int, scale: torch.Tensor, config: Fp8Config, out: torch.Tensor) -> None:
+    """``out`` (fp32, the shape of ``w``) = rows ``r0..`` of the weight divided by their scales.
+
+    One kernel: dividing the low-precision rows by an fp32 scale into an fp32 ``out`` computes in fp32,
+    exactly as converting first and dividing after, without the intermediate copy.
+    """
     if config.granularity == "tensor":
-        chunk.div_(scale)
+        torch.div(w, scale, out=out)
     elif config.granularity == "channel":
-        chunk.div_(scale[r0 : r0 + chunk.shape[0], None])
+        torch.div(w, scale[r0 : r0 + w.shape[0], None], out=out)
     else:
         bn, bk = config.block_size
-        rows, cols = chunk.shape
-        s = scale[r0 // bn : -(-(r0 + rows) // bn)]
+        rows, cols = w.shape
+        s = scale[r0 // bn : -(-(r0 + rows) // bn)][:, None, :, None]
         if rows % bn == 0 and cols % bk == 0:
-            chunk.view(rows // bn, bn, cols // bk, bk).div_(s[:, None, :, None])
-        else:  # a ragged edge: divide a zero-padded copy of the chunk, tile by tile
-            chunk.copy_(_unblock(_blocks(chunk, bn, bk).div_(s[:, None, :, None]), (rows, cols)))
+            torch.div(w.reshape(rows // bn, bn, cols // bk, bk), s, out=out.view(rows // bn, bn, cols // bk, bk))
+        else:  # a ragged edge: divide a zero-padded copy, tile by tile
+            out.copy_(_unblock(_blocks(w.float(), bn, bk).div_(s), (rows, cols)))
 
 
 def quantize_fp8(
@@ -100,7 +104,7 @@ def quantize_fp8(
     """Quantize a 2-D weight to fp8 e4m3; returns (qweight, fp32 scale) with ``w ~= q * scale``.
 
     The scales come from one pass over ``w``; the values are then scaled, clamped and cast in chunks of
-    rows (whole tiles for 'block'), so the temporary memory is one ~16 MB fp32 chunk, not an fp32 copy
+    rows (whole tiles for 'block'), so the temporary memory is one 64 MB fp32 chunk, not an fp32 copy
     of the weight. Every element sees the same operations as an unchunked quantization: bitwise equal.
     """
     if w.dim() != 2:
@@ -116,9 +120,11 @@ def quantize_fp8(
     step = config.block_size[0] if config.granularity == "block" else 1
     rows = max(step, _CHUNK_BYTES // (4 * max(k, 1)) // step * step)
     q = torch.empty((n, k), dtype=torch.float8_e4m3fn, device=w.device)
+    scratch = torch.empty(min(rows, n) * k, dtype=torch.float32, device=w.device)
     for r0 in range(0, n, rows):
-        chunk = w[r0 : r0 + rows].to(torch.float32, copy=True)
-        _scale_rows(chunk, r0, scale, config)
+        part = w[r0 : r0 + rows]
+        chunk = scratch[: part.numel()].view(part.shape)
+        _scaled_rows(part, r0, scale, config, chunk)
         q[r0 : r0 + rows].copy_(chunk.clamp_(-FP8_MAX, FP8_MAX))
     return q, scale.contiguous()
 
