@@ -75,6 +75,10 @@ def capture_layer(layer: nn.Module) -> dict[str, TensorRecord]:
     return records
 
 
+# Parameter classes whose constructor refused ``cls(data, requires_grad=...)`` (more arguments needed).
+_NEEDS_MORE_ARGS: set[type] = set()
+
+
 def rematerialize(
     record: TensorRecord, device: torch.device | str, *, data: torch.Tensor | None = None,
     pin: bool = False,
@@ -90,9 +94,16 @@ def rematerialize(
         ).zero_()
     if record.kind == "parameter":
         cls = record.cls if issubclass(record.cls, nn.Parameter) else nn.Parameter
-        try:
-            t: torch.Tensor = cls(data, requires_grad=record.requires_grad)
-        except TypeError:
+        t: torch.Tensor
+        if cls not in _NEEDS_MORE_ARGS:
+            try:
+                t = cls(data, requires_grad=record.requires_grad)
+            except TypeError:
+                # Remembered per class: a failed constructor call (and its exception) costs more than
+                # the rebuild, and reload rematerializes the same classes on every update.
+                _NEEDS_MORE_ARGS.add(cls)
+                t = torch.Tensor._make_subclass(cls, data, record.requires_grad)
+        else:
             # Subclasses whose constructor takes other arguments (vLLM's ModelWeightParameter needs a
             # weight_loader) are rebuilt the way nn.Parameter.__new__ builds them, skipping __init__;
             # the record's attributes below restore what __init__ had set. Falling back to a plain

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from torch import nn
@@ -41,7 +41,10 @@ class UpdateReport:
     partial: bool = False
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields as a dict (what ``dataclasses.asdict`` gives, without its deep copy of every name)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["seconds"] = dict(self.seconds)
+        return out
 
     def summary(self) -> str:
         """One line for logs: version, tensors, MB, paths, peak buffer, seconds."""

@@ -41,7 +41,7 @@ from weight_sync.layers.tensors import graph_visible_tensors, signatures, verify
 from weight_sync.manifest import Manifest, TensorMeta
 from weight_sync.reload.plan import CopyOp, KeyPlan, Plan, plan_keys
 from weight_sync.reload.report import UpdateReport, fingerprint
-from weight_sync.reload.state import LayerInfo, ModelState, model_load_weights
+from weight_sync.reload.state import AcceptedManifest, LayerInfo, ModelState, model_load_weights
 
 __all__ = ["UpdateSession"]
 
@@ -134,15 +134,14 @@ class UpdateSession:
         self._ignored: list[str] = []
         self._seconds = {"plan": 0.0, "load": 0.0, "process": 0.0, "copy_back": 0.0}
         self._t0 = t0
+        self._host = torch.device("cpu")
+        self.expected: frozenset[str] | None
+        self._announced: dict[str, tuple[torch.Size, torch.dtype]] | None
         if manifest is not None:
-            self._validate_manifest(manifest)
-        self.expected: set[str] | None = (
-            set(manifest.names) if manifest is not None
-            else set(state.reference.names) if state.reference is not None else None
-        )
-        self._announced = (
-            None if manifest is None else {m.name: (torch.Size(m.shape), m.dtype) for m in manifest}
-        )
+            self.expected, self._announced = self._accept_manifest(manifest)
+        else:
+            self.expected = frozenset(state.reference.names) if state.reference is not None else None
+            self._announced = None
         self._before = signatures(model)
         if state.last_signatures != self._before:
             state.views.clear()  # something moved since the last update: cached views may be stale
@@ -167,6 +166,33 @@ class UpdateSession:
                 f"got {_fmt(shape, dtype)}"
             )
         return None
+
+    def _accept_manifest(
+        self, manifest: Manifest
+    ) -> tuple[frozenset[str], dict[str, tuple[torch.Size, torch.dtype]]]:
+        """Validate ``manifest`` (or reuse the verdict on an equal one); its expected names and layouts.
+
+        Validation depends only on the announced entries, ``allow_partial``, the reference manifest and
+        the plan, whose key plans never change once made (it only grows). An update announcing what the
+        previous one did, against the same reference and plan, passed the same checks then.
+        """
+        cached = self.state.accepted
+        if (
+            cached is not None
+            and cached.allow_partial == self.allow_partial
+            and cached.reference is self.state.reference
+            and cached.plan_size == len(self.plan.keys)
+            and cached.tensors == manifest.tensors
+        ):
+            return cached.expected, cached.announced
+        self._validate_manifest(manifest)
+        expected = frozenset(manifest.names)
+        announced = {m.name: (torch.Size(m.shape), m.dtype) for m in manifest}
+        self.state.accepted = AcceptedManifest(
+            manifest.tensors, self.allow_partial, self.state.reference, len(self.plan.keys),
+            expected, announced,
+        )
+        return expected, announced
 
     def _validate_manifest(self, manifest: Manifest) -> None:
         problems = {k: str(e) for k, e in self._plan_missing(list(manifest)).items()}
@@ -225,16 +251,21 @@ class UpdateSession:
     def load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load (name, tensor) pairs; the tensors may be reused by the caller once this returns."""
         self._require_open()
+        # Parameters may require grad (a trainer-side model); writes into them are not autograd ops.
+        # Grad mode is switched directly: this runs once per tensor and torch.no_grad() objects cost
+        # more than the bookkeeping of a small tensor.
+        grad = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
         try:
-            # Parameters may require grad (a trainer-side model); writes into them are not autograd ops.
             t0 = time.perf_counter()
-            with torch.no_grad():
-                for name, tensor in named_tensors:
-                    self._load_one(name, tensor)
+            for name, tensor in named_tensors:
+                self._load_one(name, tensor)
             self._seconds["load"] += time.perf_counter() - t0
         except BaseException as e:
             self._fail(e)
             raise
+        finally:
+            torch._C._set_grad_enabled(grad)
 
     def _key_plan(self, name: str, tensor: torch.Tensor) -> KeyPlan:
         kp = self.plan.keys.get(name)
@@ -273,9 +304,10 @@ class UpdateSession:
             self._replayed += 1
             return
         kp = self.plan.keys.get(name) or self._key_plan(name, tensor)
-        msg = self._check_against_plan(kp, tuple(tensor.shape), tensor.dtype)
-        if msg:
-            raise LayoutMismatchError(msg)
+        if tensor.shape != kp.shape or (kp.floating and tensor.dtype not in _FLOATS):
+            msg = self._check_against_plan(kp, tuple(tensor.shape), tensor.dtype)
+            if msg:
+                raise LayoutMismatchError(msg)
         self._arrived.add(name)
         self._num_bytes += tensor.nbytes
         self._load_general(name, tensor, kp)
@@ -295,18 +327,21 @@ class UpdateSession:
         if kp.mode == "ignored":
             self._ignored.append(name)
             return
+        borrowed = self._borrowable(name, tensor, kp)
+        if borrowed is not None:
+            uses = _storage_uses(tensor)
+            self._open_processed(borrowed, borrow=(kp.ops[0].tensor, tensor.detach()))
         for layer in kp.layers:
             self._prepare(layer)
         if kp.mode == "copy":
             src = tensor
             if not src.is_contiguous() and not all(op.src_whole for op in kp.ops):
                 src = src.contiguous()
-            direct = all(layer not in self._open for layer in kp.layers)
+            direct = borrowed is None  # (a borrowing key has processed layers: nothing to cache)
             views = []
-            for op in kp.ops:
-                # detach(): the cached destination carries no autograd metadata, so copies into it
-                # skip view/version tracking of the (possibly requires_grad) parameter.
-                base = self._target(op).detach()
+            for op in kp.ops if borrowed is None else ():  # a borrowed tensor is the staging itself
+                base, staged = self._target(op)
+                direct = direct and not staged
                 if op.dst_offset == 0 and base.shape == op.dst_size and base.stride() == op.dst_stride:
                     dst = base
                 else:
@@ -327,17 +362,74 @@ class UpdateSession:
                 ol.remaining.discard(name)
                 if not ol.remaining and self.expected is not None:
                     self._complete(ol)
+        if borrowed is not None and _storage_uses(tensor) > uses:
+            # The processor kept a reference to the caller's tensor (kernel state wrapping its input):
+            # the engine must never serve from memory the caller may overwrite. Process the layer once
+            # more from a private copy, whose kernel state replaces this one, and never borrow again.
+            log.warning(
+                "processing %s kept a reference to its input; it is processed again from a copy and its "
+                "inputs are copied from now on", borrowed.name,
+            )
+            borrowed.reads_input = False
+            self._touched.discard(borrowed.name)
+            self._processed_done.remove(borrowed.name)
+            self._replayed -= 1
+            self._load_general(name, tensor, kp)
 
-    def _target(self, op: CopyOp) -> torch.Tensor:
+    def _borrowable(self, name: str, tensor: torch.Tensor, kp: KeyPlan) -> LayerInfo | None:
+        """The layer whose staging for ``name`` can be ``tensor`` itself rather than a copy, if any.
+
+        That is a processed layer whose processor only reads its input (``LayerInfo.reads_input``),
+        whose only key this is and which it fills whole with the same layout, so the layer is processed
+        (and every reference to the tensor released) before ``load`` returns and the caller may reuse
+        it. Only on reloads (a first processing makes its outputs, possibly the input itself, the kernel
+        tensors) and with completion by expected keys.
+        """
+        if len(kp.ops) != 1 or self.expected is None or _storage_use_count is None:
+            return None
+        op = kp.ops[0]
+        info = self.state.layers[op.layer]
+        if (
+            not info.reads_input
+            or not info.processed
+            or info.direct
+            or not op.src_whole
+            or op.dst_offset != 0
+            or op.layer in self._open
+            or op.layer in self._touched
+            or self.plan.layer_keys.get(op.layer) != {name}
+            or self._buffered + info.model_format_bytes > self.budget_bytes  # would be staged on host
+        ):
+            return None
+        rec = info.records.get(op.tensor)
+        if (
+            rec is None
+            or op.dst_size != rec.shape
+            or op.dst_stride != rec.stride
+            or tensor.dtype != rec.dtype
+            or tensor.stride() != rec.stride
+            or tensor.device != self.device
+            or type(tensor) not in (torch.Tensor, nn.Parameter)  # no subclass with its own storage rules
+        ):
+            return None
+        return info
+
+    def _target(self, op: CopyOp) -> tuple[torch.Tensor, bool]:
+        """Where ``op`` writes: (a plain tensor on the destination's storage, whether it is staging).
+
+        Staging is written through its raw buffer and live tensors through a detached alias: neither
+        carries a Parameter subclass, so copies into them skip Python ``__torch_function__`` handlers
+        (vLLM's parameters define one) and autograd view tracking.
+        """
         ol = self._open.get(op.layer)
         if ol is not None:
-            return ol.staging[op.tensor]
+            return ol.raw[op.tensor][1], True
         mod = self.state.layers[op.layer].module
         t: torch.Tensor | None = mod._parameters.get(op.tensor)
         if t is None:
             t = mod._buffers[op.tensor]
         assert t is not None  # the plan only records tensors the layer owns
-        return t
+        return t.detach(), False
 
     def _prepare(self, layer: str) -> None:
         """Make ``layer`` ready to receive data: snapshot (rollback) a direct layer, open a processed one."""
@@ -363,9 +455,16 @@ class UpdateSession:
                 snaps.append((t, host))
         self._snapshots[info.name] = snaps
 
-    def _open_processed(self, info: LayerInfo) -> None:
+    def _open_processed(self, info: LayerInfo, borrow: tuple[str, torch.Tensor] | None = None) -> None:
+        """Install model-format staging on a processed layer, keeping its kernel objects for later.
+
+        ``borrow`` (tensor name, the caller's tensor) is used as that tensor's staging as it is: it is
+        never zero-filled and never goes to the buffer pool.
+        """
         mod = info.module
         nbytes = info.model_format_bytes
+        if borrow is not None:
+            nbytes -= info.records[borrow[0]].nbytes  # the caller's memory, not staging
         spill = self._buffered + nbytes > self.budget_bytes
         if self._open and not self._warned:
             self._warned = True
@@ -376,34 +475,43 @@ class UpdateSession:
                 "before the next layer's",
                 self.version, self._buffered + (0 if spill else nbytes), pending, info.name,
             )
-        where = torch.device("cpu") if spill else self.device
+        where = self._host if spill else self.device
         pin = spill and self.device.type == "cuda"
+        where_key = str(where)
         # Zero fill keeps regions no loader writes (padding) deterministic; tensors the plan's copies
         # overwrite entirely skip it. Only when completion is by expected keys: then a processed layer
         # is never processed before every one of its keys (and so every recorded copy) has arrived.
         written = self.plan.fully_written(info.name, info.records) if self.expected is not None else frozenset()
         raw: dict[str, tuple[tuple, torch.Tensor]] = {}
-        for rec in info.records.values():
-            key = (rec.shape, rec.stride, rec.dtype, str(where), pin)
+        staging: dict[str, torch.Tensor] = {}
+        for name, rec in info.records.items():
+            if borrow is not None and name == borrow[0]:
+                staging[name] = rematerialize(rec, where, data=borrow[1])
+                continue
+            key = (rec.shape, rec.stride, rec.dtype, where_key, pin)
             data = self._reusable(key)
             if data is None:
                 data = torch.empty_strided(rec.shape, rec.stride, dtype=rec.dtype, device=where, pin_memory=pin)
-            if rec.name not in written:
+            if name not in written:
                 data.zero_()
-            raw[rec.name] = (key, data)
-        staging = {rec.name: rematerialize(rec, where, pin=pin, data=raw[rec.name][1])
-                   for rec in info.records.values()}
-        extra = {
-            k: v for k, v in vars(mod).items()
-            if k not in info.initial_attrs and not isinstance(v, torch.Tensor)
-        }
+            raw[name] = (key, data)
+            staging[name] = rematerialize(rec, where, pin=pin, data=data)
+        # One pass over the module's attributes: tensors to reinstall later, and non-tensor attributes a
+        # processor added (flags, handles) that the layer must lose while it is back in model format.
+        extra: dict[str, Any] = {}
+        tensor_attrs: dict[str, torch.Tensor] = {}
+        for k, v in vars(mod).items():
+            if isinstance(v, torch.Tensor):
+                tensor_attrs[k] = v
+            elif k not in info.initial_attrs:
+                extra[k] = v
         ol = _OpenLayer(
             info=info,
             remaining=set(self.plan.layer_keys.get(info.name, set())),
             staging=staging,
             params=dict(mod._parameters),
             buffers=dict(mod._buffers),
-            tensor_attrs={k: v for k, v in vars(mod).items() if isinstance(v, torch.Tensor)},
+            tensor_attrs=tensor_attrs,
             extra_attrs=extra,
             nbytes=nbytes,
             spilled=spill,
@@ -439,7 +547,7 @@ class UpdateSession:
         t1 = time.perf_counter()
         produced = graph_visible_tensors(mod)
         old = {**ol.params, **ol.buffers, **ol.tensor_attrs}
-        old = {k: v for k, v in old.items() if v is not None and v.device.type != "meta"}
+        old = {k: v for k, v in old.items() if v is not None and not v.is_meta}
         if info.processed:
             for k in produced:
                 if k not in old:
@@ -452,7 +560,7 @@ class UpdateSession:
                     raise LayoutMismatchError(
                         f"{info.name}.{k}: processing no longer produces this kernel tensor"
                     )
-                if tuple(new.shape) != tuple(dst.shape) or new.dtype != dst.dtype:
+                if new.shape != dst.shape or new.dtype != dst.dtype:
                     raise LayoutMismatchError(
                         f"{info.name}.{k}: kernel tensor is {_fmt(tuple(dst.shape), dst.dtype)}, "
                         f"processing produced {_fmt(tuple(new.shape), new.dtype)}"
@@ -466,7 +574,9 @@ class UpdateSession:
             self._touched.add(info.name)
             for k, dst in old.items():
                 new = produced[k]
-                if new is not dst:
+                # Equal shapes: an empty kernel tensor (a weight the processor moved into a handle)
+                # has nothing to copy.
+                if new is not dst and dst.numel():
                     dst.copy_(new)
             self._restore_objects(ol, keep_new_attrs=True)
         else:
@@ -506,20 +616,28 @@ class UpdateSession:
 
     def _restore_objects(self, ol: _OpenLayer, *, keep_new_attrs: bool) -> None:
         mod = ol.info.module
-        new_extra = {
-            k: v for k, v in vars(mod).items()
-            if k not in ol.info.initial_attrs and not isinstance(v, torch.Tensor)
-        }
+        d = mod.__dict__
+        initial = ol.info.initial_attrs
+        tensor_keys: list[str] = []
+        new_extra: dict[str, Any] = {}
+        for k, v in d.items():
+            if isinstance(v, torch.Tensor):
+                tensor_keys.append(k)
+            elif k not in initial:
+                new_extra[k] = v
         mod._parameters.clear()
         mod._parameters.update(ol.params)
         mod._buffers.clear()
         mod._buffers.update(ol.buffers)
-        for k in [k for k, v in vars(mod).items() if isinstance(v, torch.Tensor)]:
-            del mod.__dict__[k]
-        mod.__dict__.update(ol.tensor_attrs)
-        for k in new_extra:
-            del mod.__dict__[k]
-        mod.__dict__.update(new_extra if keep_new_attrs else ol.extra_attrs)
+        for k in tensor_keys:
+            del d[k]
+        d.update(ol.tensor_attrs)
+        if keep_new_attrs:
+            d.update(new_extra)  # the processor's attributes win over a reinstalled one of the same name
+        else:
+            for k in new_extra:
+                del d[k]
+            d.update(ol.extra_attrs)
 
     # ------------------------------------------------------------------ ending
     def _require_open(self) -> None:
@@ -586,9 +704,16 @@ class UpdateSession:
         if not partial:
             self.state.torn = None
             if self.manifest is not None:
-                self.state.reference = Manifest(
-                    tuple(TensorMeta(m.name, m.dtype, m.shape) for m in self.manifest)
-                )
+                ref = self.state.reference
+                # Kept as the same object while updates announce the same tensors, so the validation
+                # verdict cached against it stays usable.
+                if ref is None or len(ref) != len(self.manifest) or any(
+                    r.name != m.name or r.dtype != m.dtype or r.shape != m.shape
+                    for r, m in zip(ref.tensors, self.manifest.tensors)
+                ):
+                    self.state.reference = Manifest(
+                        tuple(TensorMeta(m.name, m.dtype, m.shape) for m in self.manifest)
+                    )
             elif self.state.reference is None:
                 self.state.reference = Manifest(
                     tuple(TensorMeta(n, kp.dtype, kp.shape) for n, kp in self.plan.keys.items()
@@ -676,6 +801,12 @@ def _sole_owner(t: torch.Tensor) -> bool:
         return False
     # The temporary storage object made here holds one reference besides ``t``'s own.
     return _storage_use_count(t.untyped_storage()._cdata) <= 2
+
+
+def _storage_uses(t: torch.Tensor) -> int:
+    """How many tensors use ``t``'s storage (requires the counter, see :func:`_sole_owner`)."""
+    assert _storage_use_count is not None
+    return _storage_use_count(t.untyped_storage()._cdata)
 
 
 def _model_device(model: nn.Module) -> torch.device:

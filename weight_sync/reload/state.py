@@ -20,10 +20,13 @@ from weight_sync.layers.meta import TensorRecord, capture_layer, records_nbytes
 from weight_sync.layers.tensors import graph_visible_tensors
 
 if TYPE_CHECKING:
-    from weight_sync.manifest import Manifest
+    import torch
+
+    from weight_sync.manifest import Manifest, TensorMeta
     from weight_sync.reload.plan import Plan
 
 __all__ = [
+    "AcceptedManifest",
     "LayerInfo",
     "ModelState",
     "get_state",
@@ -57,6 +60,10 @@ class LayerInfo:
     # False until the layer has been processed once: its live tensors are then model format (or meta)
     # and the processor's outputs become the kernel tensors instead of being copied into them.
     processed: bool = False
+    # The processor only reads its model-format tensors (never writes them, never keeps a reference), so
+    # a tensor that arrives whole can be processed where it lies instead of from a copy. Declared by
+    # ``module.ws_processor_reads_input = True``; cleared if processing is ever seen keeping its input.
+    reads_input: bool = False
     _nbytes: int | None = None
 
     @property
@@ -68,6 +75,18 @@ class LayerInfo:
         if self._nbytes is None:
             self._nbytes = records_nbytes(self.records)
         return self._nbytes
+
+
+@dataclass(frozen=True, slots=True)
+class AcceptedManifest:
+    """The last manifest that passed validation, with what it was checked against and derived from it."""
+
+    tensors: tuple[TensorMeta, ...]
+    allow_partial: bool
+    reference: Manifest | None
+    plan_size: int
+    expected: frozenset[str]
+    announced: dict[str, tuple[torch.Size, torch.dtype]]
 
 
 @dataclass(slots=True)
@@ -85,6 +104,8 @@ class ModelState:
     # signatures taken at the end of the last update still hold.
     views: dict[str, Any] = field(default_factory=dict)
     last_signatures: dict[str, Any] = field(default_factory=dict)
+    # Validation is repeated only when an update announces something else (see UpdateSession).
+    accepted: AcceptedManifest | None = None
 
     def largest_block_bytes(self) -> int:
         """Model-format bytes of the processed layers of the largest block (the default budget)."""
@@ -150,6 +171,7 @@ def record_layers(model: nn.Module) -> dict[str, LayerInfo]:
             processor=_processor_for(mod),
             block=block_key(f"{name}.x").name,
             initial_attrs=frozenset(vars(mod)),
+            reads_input=getattr(mod, "ws_processor_reads_input", False) is True,
         )
     return layers
 

@@ -54,6 +54,11 @@ _KV_CACHE_ATTRS = frozenset({"kv_cache"})
 
 # Unquantized methods whose processing is a no-op on CUDA-like platforms (on CPU they prepack for oneDNN).
 _NOOP_ON_CUDA = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
+# On CPU the same methods only read the model-format weight (``dispatch_cpu_unquantized_gemm`` packs a
+# copy into a oneDNN / SGL handle, or serves the weight tensor itself, which reload copies into the live
+# one), so reload may process them straight from the caller's tensor. A path that keeps the weight (zen
+# without prepacking) is caught when it happens and the layer falls back to copies.
+_READS_INPUT_ON_CPU = _NOOP_ON_CUDA
 
 
 def _process_with_quant_method(module: nn.Module) -> None:
@@ -102,6 +107,8 @@ def _declare_processors(model: nn.Module, dtype: torch.dtype) -> None:
         if current_platform.is_cuda_alike() and type(qm).__name__ in _NOOP_ON_CUDA:
             continue  # direct path (registered above)
         mod.ws_processor = _process_with_quant_method  # type: ignore[assignment]
+        if current_platform.is_cpu() and type(qm).__name__ in _READS_INPUT_ON_CPU:
+            mod.ws_processor_reads_input = True  # type: ignore[assignment]
 
 
 def _record(model: nn.Module, dtype: torch.dtype) -> None:

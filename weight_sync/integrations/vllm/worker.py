@@ -126,7 +126,7 @@ class WeightSyncWorkerMixin:
                 )
             elif isinstance(weights_iterator, (list, tuple)):
                 # Everything is known up front: announce it, so the update is validated before any write.
-                manifest = Manifest.from_named_tensors(weights_iterator, version=version)
+                manifest = self._ws_list_manifest(weights_iterator, version)
                 report = weight_sync.reload_weights(
                     model, weights_iterator=weights_iterator, manifest=manifest, **update_opts
                 )
@@ -143,6 +143,21 @@ class WeightSyncWorkerMixin:
         record_report(model, out)
         log.info("[rank %d] weight_sync reload: %s", self.rank, report.summary())
         return out
+
+    def _ws_list_manifest(self, items: list | tuple, version: int | str | None) -> Manifest:
+        """The manifest of a list of (name, tensor); the previous one when names, dtypes and shapes repeat.
+
+        Reusing the object (not only equal contents) lets the session reuse its validation verdict at
+        the cost of one comparison.
+        """
+        key = tuple((name, t.dtype, t.shape) for name, t in items)
+        cached: tuple[tuple, Manifest] | None = getattr(self, "_ws_manifest", None)
+        if cached is not None and cached[0] == key:
+            manifest = cached[1]
+            return manifest if manifest.version == version else Manifest(manifest.tensors, version=version)
+        manifest = Manifest.from_named_tensors(items, version=version)
+        self._ws_manifest = (key, manifest)
+        return manifest
 
     def _ws_after_update(self) -> None:
         """Drop worker-side state derived from the old weights (vLLM's own reload does the same)."""
