@@ -477,7 +477,6 @@ class UpdateSession:
             )
         where = self._host if spill else self.device
         pin = spill and self.device.type == "cuda"
-        where_key = str(where)
         # Zero fill keeps regions no loader writes (padding) deterministic; tensors the plan's copies
         # overwrite entirely skip it. Only when completion is by expected keys: then a processed layer
         # is never processed before every one of its keys (and so every recorded copy) has arrived.
@@ -488,7 +487,7 @@ class UpdateSession:
             if borrow is not None and name == borrow[0]:
                 staging[name] = rematerialize(rec, where, data=borrow[1])
                 continue
-            key = (rec.shape, rec.stride, rec.dtype, where_key, pin)
+            key = (rec.shape, rec.stride, rec.dtype, where, pin)
             data = self._reusable(key)
             if data is None:
                 data = torch.empty_strided(rec.shape, rec.stride, dtype=rec.dtype, device=where, pin_memory=pin)
