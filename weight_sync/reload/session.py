@@ -34,28 +34,24 @@ from weight_sync.errors import (
     ManifestError,
     PointerChangedError,
     UpdateStateError,
-    WeightSyncError,
 )
 from weight_sync.layers.meta import install_tensor, rematerialize
 from weight_sync.layers.tensors import graph_visible_tensors, signatures, verify_signatures
 from weight_sync.manifest import Manifest, TensorMeta
-from weight_sync.reload.plan import CopyOp, KeyPlan, Plan, plan_keys
+from weight_sync.reload.plan import CopyOp, KeyPlan, Plan
 from weight_sync.reload.report import UpdateReport, fingerprint
-from weight_sync.reload.state import AcceptedManifest, LayerInfo, ModelState, model_load_weights
+from weight_sync.reload.state import LayerInfo, ModelState, model_load_weights
+from weight_sync.reload.validation import (
+    accept_manifest,
+    check_against_plan,
+    fmt_layout,
+    name_list,
+    plan_missing,
+)
 
 __all__ = ["UpdateSession"]
 
 log = logging.getLogger(__name__)
-
-
-def _fmt(shape: tuple[int, ...], dtype: torch.dtype) -> str:
-    return f"{tuple(shape)} {str(dtype).removeprefix('torch.')}"
-
-
-def _names(items: Iterable[str], limit: int = 8) -> str:
-    items = sorted(items)
-    shown = ", ".join(items[:limit])
-    return shown + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")
 
 
 @dataclass(slots=True)
@@ -138,7 +134,8 @@ class UpdateSession:
         self.expected: frozenset[str] | None
         self._announced: dict[str, tuple[torch.Size, torch.dtype]] | None
         if manifest is not None:
-            self.expected, self._announced = self._accept_manifest(manifest)
+            self.expected, self._announced = accept_manifest(self.model, self.state, self.plan, manifest,
+                                                              self.allow_partial)
         else:
             self.expected = frozenset(state.reference.names) if state.reference is not None else None
             self._announced = None
@@ -148,90 +145,6 @@ class UpdateSession:
         self._views = state.views
         self._seconds["plan"] = time.perf_counter() - t0
         state.active = self
-
-    # ------------------------------------------------------------------ validation
-    def _plan_missing(self, metas: list[TensorMeta]) -> dict[str, WeightSyncError]:
-        todo = [m for m in metas if m.name not in self.plan.keys]
-        plans, problems = plan_keys(self.model, self.state, todo)
-        for kp in plans:
-            self.plan.add(kp)
-        return problems
-
-    def _check_against_plan(self, kp: KeyPlan, shape: tuple[int, ...], dtype: torch.dtype) -> str | None:
-        if tuple(shape) != kp.shape:
-            return f"{kp.name}: engine expects {_fmt(kp.shape, kp.dtype)}, got {_fmt(shape, dtype)}"
-        if kp.mode != "ignored" and not dtype.is_floating_point and kp.dtype.is_floating_point:
-            return (
-                f"{kp.name}: engine expects a floating-point tensor {_fmt(kp.shape, kp.dtype)}, "
-                f"got {_fmt(shape, dtype)}"
-            )
-        return None
-
-    def _accept_manifest(
-        self, manifest: Manifest
-    ) -> tuple[frozenset[str], dict[str, tuple[torch.Size, torch.dtype]]]:
-        """Validate ``manifest`` (or reuse the verdict on an equal one); its expected names and layouts.
-
-        Validation depends only on the announced entries, ``allow_partial``, the reference manifest and
-        the plan, whose key plans never change once made (it only grows). An update announcing what the
-        previous one did, against the same reference and plan, passed the same checks then.
-        """
-        cached = self.state.accepted
-        if (
-            cached is not None
-            and cached.allow_partial == self.allow_partial
-            and cached.reference is self.state.reference
-            and cached.plan_size == len(self.plan.keys)
-            and cached.tensors == manifest.tensors
-        ):
-            return cached.expected, cached.announced
-        self._validate_manifest(manifest)
-        expected = frozenset(manifest.names)
-        announced = {m.name: (torch.Size(m.shape), m.dtype) for m in manifest}
-        self.state.accepted = AcceptedManifest(
-            manifest.tensors, self.allow_partial, self.state.reference, len(self.plan.keys),
-            expected, announced,
-        )
-        return expected, announced
-
-    def _validate_manifest(self, manifest: Manifest) -> None:
-        problems = {k: str(e) for k, e in self._plan_missing(list(manifest)).items()}
-        for m in manifest:
-            kp = self.plan.keys.get(m.name)
-            if kp is not None and m.name not in problems:
-                msg = self._check_against_plan(kp, m.shape, m.dtype)
-                if msg:
-                    problems[m.name] = msg
-        if not self.allow_partial and self.state.reference is not None:
-            lacking = [n for n in self.state.reference.names if n not in manifest]
-            lacking = [n for n in lacking if self.plan.keys.get(n) is None or self.plan.keys[n].mode != "ignored"]
-            if lacking:
-                problems["<coverage>"] = (
-                    f"the manifest lacks {len(lacking)} tensor(s) the model expects: {_names(lacking)} "
-                    "(pass allow_partial=True to update a subset)"
-                )
-        # A processed layer can only be processed from all of its keys.
-        announced = set(manifest.names)
-        for m in manifest:
-            kp = self.plan.keys.get(m.name)
-            if kp is None:
-                continue
-            for layer in kp.layers:
-                info = self.state.layers[layer]
-                if not info.direct:
-                    layer_lacking = self.plan.layer_keys.get(layer, set()) - announced
-                    if layer_lacking:
-                        problems.setdefault(
-                            f"<layer {layer}>",
-                            f"layer {layer} needs processing and so needs all of its tensors; "
-                            f"the manifest lacks {_names(layer_lacking)}",
-                        )
-        if problems:
-            first = list(problems.values())
-            raise ManifestError(
-                f"manifest rejected before any write ({len(first)} problem(s)): " + "; ".join(first[:5])
-                + (f"; ... ({len(first) - 5} more)" if len(first) > 5 else "")
-            )
 
     def layer_order(self, names: Iterable[str]) -> list[str]:
         """``names`` sorted so every layer's keys come together, layers in model order (stable).
@@ -271,7 +184,7 @@ class UpdateSession:
         kp = self.plan.keys.get(name)
         if kp is None:
             t0 = time.perf_counter()
-            problems = self._plan_missing([TensorMeta(name, tensor.dtype, tuple(tensor.shape))])
+            problems = plan_missing(self.model, self.state, self.plan, [TensorMeta(name, tensor.dtype, tuple(tensor.shape))])
             self._seconds["plan"] += time.perf_counter() - t0
             if name in problems:
                 raise problems[name]
@@ -293,7 +206,7 @@ class UpdateSession:
             # storage (valid while pointers are unchanged, which every update verifies).
             kp, views = fast
             if tensor.shape != kp.shape or (kp.floating and tensor.dtype not in _FLOATS):
-                raise LayoutMismatchError(self._check_against_plan(kp, tuple(tensor.shape), tensor.dtype))
+                raise LayoutMismatchError(check_against_plan(kp, tuple(tensor.shape), tensor.dtype))
             self._arrived.add(name)
             self._num_bytes += tensor.nbytes
             for layer in kp.layers:
@@ -305,7 +218,7 @@ class UpdateSession:
             return
         kp = self.plan.keys.get(name) or self._key_plan(name, tensor)
         if tensor.shape != kp.shape or (kp.floating and tensor.dtype not in _FLOATS):
-            msg = self._check_against_plan(kp, tuple(tensor.shape), tensor.dtype)
+            msg = check_against_plan(kp, tuple(tensor.shape), tensor.dtype)
             if msg:
                 raise LayoutMismatchError(msg)
         self._arrived.add(name)
@@ -319,8 +232,8 @@ class UpdateSession:
         m = self.manifest[name]
         if tuple(tensor.shape) != m.shape or tensor.dtype != m.dtype:
             raise ManifestError(
-                f"{name}: manifest announced {_fmt(m.shape, m.dtype)}, "
-                f"got {_fmt(tuple(tensor.shape), tensor.dtype)}"
+                f"{name}: manifest announced {fmt_layout(m.shape, m.dtype)}, "
+                f"got {fmt_layout(tuple(tensor.shape), tensor.dtype)}"
             )
 
     def _load_general(self, name: str, tensor: torch.Tensor, kp: KeyPlan) -> None:
@@ -561,8 +474,8 @@ class UpdateSession:
                     )
                 if new.shape != dst.shape or new.dtype != dst.dtype:
                     raise LayoutMismatchError(
-                        f"{info.name}.{k}: kernel tensor is {_fmt(tuple(dst.shape), dst.dtype)}, "
-                        f"processing produced {_fmt(tuple(new.shape), new.dtype)}"
+                        f"{info.name}.{k}: kernel tensor is {fmt_layout(tuple(dst.shape), dst.dtype)}, "
+                        f"processing produced {fmt_layout(tuple(new.shape), new.dtype)}"
                     )
             # The layer currently holds the processor's new tensors; the old kernel tensors are in `old`.
             self._snapshot(info, old)
@@ -662,7 +575,7 @@ class UpdateSession:
             if missing and not self.allow_partial:
                 raise IncompleteUpdateError(
                     f"update {self.version!r} finished with {len(missing)} expected tensor(s) missing: "
-                    f"{_names(missing)}",
+                    f"{name_list(missing)}",
                     tuple(missing),
                 )
             for ol in list(self._open.values()):
@@ -672,7 +585,7 @@ class UpdateSession:
                 elif ol.remaining:
                     raise IncompleteUpdateError(
                         f"layer {ol.info.name} needs processing and so needs all of its tensors; "
-                        f"missing {_names(ol.remaining)}",
+                        f"missing {name_list(ol.remaining)}",
                         tuple(sorted(ol.remaining)),
                     )
             t0 = time.perf_counter()
