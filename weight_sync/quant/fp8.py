@@ -12,6 +12,7 @@ from torch import nn
 
 from weight_sync.errors import ConfigError
 from weight_sync.quant.base import layer_tensor
+from weight_sync.quant.fp8_triton import scale_cast_fp8, triton_available
 from weight_sync.quant.online import OnlineQuantLinearMethod, reduce_max
 
 __all__ = [
@@ -106,6 +107,7 @@ def quantize_fp8(
     The scales come from one pass over ``w``; the values are then scaled, clamped and cast in chunks of
     rows (whole tiles for 'block'), so the temporary memory is one 64 MB fp32 chunk, not an fp32 copy
     of the weight. Every element sees the same operations as an unchunked quantization: bitwise equal.
+    On CUDA with Triton the same arithmetic runs as one kernel (``fp8_triton``), bitwise equal again.
     """
     if w.dim() != 2:
         raise ConfigError(f"fp8 quantization needs a 2-D weight, got shape {tuple(w.shape)}")
@@ -117,6 +119,8 @@ def quantize_fp8(
     else:
         # Tiles are views of (at most) one padded copy; one scale per tile.
         scale = _absmax(_blocks(w, *config.block_size), (1, 3)).clamp(min=_EPS) / FP8_MAX
+    if w.is_cuda and w.stride(1) == 1 and triton_available():
+        return scale_cast_fp8(w, scale, config.granularity, config.block_size, FP8_MAX), scale.contiguous()
     step = config.block_size[0] if config.granularity == "block" else 1
     rows = max(step, _CHUNK_BYTES // (4 * max(k, 1)) // step * step)
     q = torch.empty((n, k), dtype=torch.float8_e4m3fn, device=w.device)
