@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,10 +34,15 @@ from weight_sync.errors import (
     PointerChangedError,
     UpdateStateError,
 )
-from weight_sync.layers.meta import install_tensor, rematerialize
-from weight_sync.layers.tensors import graph_visible_tensors, signatures, verify_signatures
+from weight_sync.layers.tensors import signatures, verify_signatures
 from weight_sync.manifest import Manifest, TensorMeta
 from weight_sync.reload.plan import CopyOp, KeyPlan, Plan
+from weight_sync.reload.processing import (
+    OpenLayer,
+    ProcessedLayers,
+    storage_use_count,
+    storage_uses,
+)
 from weight_sync.reload.report import UpdateReport, fingerprint
 from weight_sync.reload.state import LayerInfo, ModelState, model_load_weights
 from weight_sync.reload.validation import (
@@ -54,24 +58,7 @@ __all__ = ["UpdateSession"]
 log = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class _OpenLayer:
-    """A processed layer whose keys are still arriving: its staging and the kernel objects it replaced."""
-
-    info: LayerInfo
-    remaining: set[str]
-    staging: dict[str, torch.Tensor]
-    params: dict[str, Any]
-    buffers: dict[str, Any]
-    tensor_attrs: dict[str, torch.Tensor]
-    extra_attrs: dict[str, Any]
-    nbytes: int
-    spilled: bool
-    # Raw staging buffers (and their pool keys), handed back for reuse once the layer is processed.
-    raw: dict[str, tuple[tuple, torch.Tensor]] = field(default_factory=dict)
-
-
-class UpdateSession:
+class UpdateSession(ProcessedLayers):
     """A weight update in progress on one model; create it with :func:`weight_sync.begin_update`."""
 
     def __init__(
@@ -109,7 +96,7 @@ class UpdateSession:
         self._status = "open"
         self.report: UpdateReport | None = None  # set by finish()
         self._arrived: set[str] = set()
-        self._open: dict[str, _OpenLayer] = {}
+        self._open: dict[str, OpenLayer] = {}
         self._touched: set[str] = set()
         self._snapshots: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         # Staging buffers of completed layers by (shape, stride, dtype, device, pinned): the next layer of
@@ -242,7 +229,7 @@ class UpdateSession:
             return
         borrowed = self._borrowable(name, tensor, kp)
         if borrowed is not None:
-            uses = _storage_uses(tensor)
+            uses = storage_uses(tensor)
             self._open_processed(borrowed, borrow=(kp.ops[0].tensor, tensor.detach()))
         for layer in kp.layers:
             self._prepare(layer)
@@ -275,7 +262,7 @@ class UpdateSession:
                 ol.remaining.discard(name)
                 if not ol.remaining and self.expected is not None:
                     self._complete(ol)
-        if borrowed is not None and _storage_uses(tensor) > uses:
+        if borrowed is not None and storage_uses(tensor) > uses:
             # The processor kept a reference to the caller's tensor (kernel state wrapping its input):
             # the engine must never serve from memory the caller may overwrite. Process the layer once
             # more from a private copy, whose kernel state replaces this one, and never borrow again.
@@ -298,7 +285,7 @@ class UpdateSession:
         it. Only on reloads (a first processing makes its outputs, possibly the input itself, the kernel
         tensors) and with completion by expected keys.
         """
-        if len(kp.ops) != 1 or self.expected is None or _storage_use_count is None:
+        if len(kp.ops) != 1 or self.expected is None or storage_use_count is None:
             return None
         op = kp.ops[0]
         info = self.state.layers[op.layer]
@@ -355,203 +342,6 @@ class UpdateSession:
             return
         self._open_processed(info)
 
-    def _snapshot(self, info: LayerInfo, tensors: dict[str, torch.Tensor] | None = None) -> None:
-        """Host copies of the layer's live tensors (or of ``tensors``), taken before their first write."""
-        if not self.rollback or info.name in self._snapshots:
-            return
-        snaps = []
-        live = graph_visible_tensors(info.module) if tensors is None else tensors
-        for t in live.values():
-            if t.device.type != "meta":
-                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda).copy_(t) \
-                    if t.is_contiguous() else t.detach().to("cpu", copy=True)
-                snaps.append((t, host))
-        self._snapshots[info.name] = snaps
-
-    def _open_processed(self, info: LayerInfo, borrow: tuple[str, torch.Tensor] | None = None) -> None:
-        """Install model-format staging on a processed layer, keeping its kernel objects for later.
-
-        ``borrow`` (tensor name, the caller's tensor) is used as that tensor's staging as it is: it is
-        never zero-filled and never goes to the buffer pool.
-        """
-        mod = info.module
-        nbytes = info.model_format_bytes
-        if borrow is not None:
-            nbytes -= info.records[borrow[0]].nbytes  # the caller's memory, not staging
-        spill = self._buffered + nbytes > self.budget_bytes
-        if self._open and not self._warned:
-            self._warned = True
-            pending = sorted(self._open)
-            log.warning(
-                "update %r: buffering %d bytes of model-format staging for pending layers %s while "
-                "layer %s starts; weights out of block order cost memory: send every tensor of a layer "
-                "before the next layer's",
-                self.version, self._buffered + (0 if spill else nbytes), pending, info.name,
-            )
-        where = self._host if spill else self.device
-        pin = spill and self.device.type == "cuda"
-        # Zero fill keeps regions no loader writes (padding) deterministic; tensors the plan's copies
-        # overwrite entirely skip it. Only when completion is by expected keys: then a processed layer
-        # is never processed before every one of its keys (and so every recorded copy) has arrived.
-        written = self.plan.fully_written(info.name, info.records) if self.expected is not None else frozenset()
-        raw: dict[str, tuple[tuple, torch.Tensor]] = {}
-        staging: dict[str, torch.Tensor] = {}
-        for name, rec in info.records.items():
-            if borrow is not None and name == borrow[0]:
-                staging[name] = rematerialize(rec, where, data=borrow[1])
-                continue
-            key = (rec.shape, rec.stride, rec.dtype, where, pin)
-            data = self._reusable(key)
-            if data is None:
-                data = torch.empty_strided(rec.shape, rec.stride, dtype=rec.dtype, device=where, pin_memory=pin)
-            if name not in written:
-                data.zero_()
-            raw[name] = (key, data)
-            staging[name] = rematerialize(rec, where, pin=pin, data=data)
-        # One pass over the module's attributes: tensors to reinstall later, and non-tensor attributes a
-        # processor added (flags, handles) that the layer must lose while it is back in model format.
-        extra: dict[str, Any] = {}
-        tensor_attrs: dict[str, torch.Tensor] = {}
-        for k, v in vars(mod).items():
-            if isinstance(v, torch.Tensor):
-                tensor_attrs[k] = v
-            elif k not in info.initial_attrs:
-                extra[k] = v
-        ol = _OpenLayer(
-            info=info,
-            remaining=set(self.plan.layer_keys.get(info.name, set())),
-            staging=staging,
-            params=dict(mod._parameters),
-            buffers=dict(mod._buffers),
-            tensor_attrs=tensor_attrs,
-            extra_attrs=extra,
-            nbytes=nbytes,
-            spilled=spill,
-            raw=raw,
-        )
-        # Back to model format: flags a processor set (e.g. "already processed") must not survive,
-        # or the processor would skip the new weights.
-        for k in extra:
-            del mod.__dict__[k]
-        for rec in info.records.values():
-            install_tensor(mod, rec, staging[rec.name])
-        self._open[info.name] = ol
-        if spill:
-            self._spilled += nbytes
-            log.warning(
-                "update %r: budget of %d bytes reached; staging %d bytes of %s in host memory",
-                self.version, self.budget_bytes, nbytes, info.name,
-            )
-        else:
-            self._buffered += nbytes
-            self._peak = max(self._peak, self._buffered)
-
-    def _complete(self, ol: _OpenLayer) -> None:
-        """Process a layer whose keys have all arrived and copy its kernel tensors into the old ones."""
-        info, mod = ol.info, ol.info.module
-        t0 = time.perf_counter()
-        if ol.spilled:
-            for rec in info.records.values():
-                on_device = ol.staging[rec.name].detach().to(self.device)
-                install_tensor(mod, rec, rematerialize(rec, self.device, data=on_device))
-        assert info.processor is not None
-        info.processor(mod)
-        t1 = time.perf_counter()
-        produced = graph_visible_tensors(mod)
-        old = {**ol.params, **ol.buffers, **ol.tensor_attrs}
-        old = {k: v for k, v in old.items() if v is not None and not v.is_meta}
-        if info.processed:
-            for k in produced:
-                if k not in old:
-                    raise LayoutMismatchError(
-                        f"{info.name}.{k}: processing produced a tensor the live layer did not have"
-                    )
-            for k, dst in old.items():
-                new = produced.get(k)
-                if new is None:
-                    raise LayoutMismatchError(
-                        f"{info.name}.{k}: processing no longer produces this kernel tensor"
-                    )
-                if new.shape != dst.shape or new.dtype != dst.dtype:
-                    raise LayoutMismatchError(
-                        f"{info.name}.{k}: kernel tensor is {fmt_layout(tuple(dst.shape), dst.dtype)}, "
-                        f"processing produced {fmt_layout(tuple(new.shape), new.dtype)}"
-                    )
-            # The layer currently holds the processor's new tensors; the old kernel tensors are in `old`.
-            self._snapshot(info, old)
-            if self.rollback:
-                # Kernel state a processor keeps outside tensors (e.g. a oneDNN handle holding prepacked
-                # weights on CPU) is replaced, not copied into: keep the previous objects for rollback.
-                self._attr_snapshots.append((mod, info.initial_attrs, dict(ol.extra_attrs)))
-            self._touched.add(info.name)
-            for k, dst in old.items():
-                new = produced[k]
-                # Equal shapes: an empty kernel tensor (a weight the processor moved into a handle)
-                # has nothing to copy.
-                if new is not dst and dst.numel():
-                    dst.copy_(new)
-            self._restore_objects(ol, keep_new_attrs=True)
-        else:
-            # First processing: the live tensors were model format (or meta); the processor's outputs
-            # become the kernel tensors, so their addresses are new by design.
-            self._touched.add(info.name)
-            self._first_processed.append(info)
-        del self._open[info.name]
-        if not ol.spilled:
-            self._buffered -= ol.nbytes
-        ol.staging.clear()
-        self._recycle(ol)
-        self._processed_done.append(info.name)
-        self._seconds["process"] += t1 - t0
-        self._seconds["copy_back"] += time.perf_counter() - t1
-
-    def _recycle(self, ol: _OpenLayer) -> None:
-        """Retire a processed layer's staging buffers into the pool (reuse is decided when needed)."""
-        for key, data in ol.raw.values():
-            self._staging_pool.setdefault(key, []).append(data)
-        ol.raw.clear()
-
-    def _reusable(self, key: tuple) -> torch.Tensor | None:
-        """A retired buffer of this layout that nothing references any more, if there is one.
-
-        Ownership is checked at reuse, not at retirement: by then the views the loading code held
-        are gone, while a processor that kept its input (kernel state wrapping the weight, or the
-        kernel tensors of a first processing) still holds it, and that buffer is never handed out.
-        """
-        free = self._staging_pool.get(key)
-        if not free:
-            return None
-        for i, data in enumerate(free):
-            if _sole_owner(data):
-                return free.pop(i)
-        return None
-
-    def _restore_objects(self, ol: _OpenLayer, *, keep_new_attrs: bool) -> None:
-        mod = ol.info.module
-        d = mod.__dict__
-        initial = ol.info.initial_attrs
-        tensor_keys: list[str] = []
-        new_extra: dict[str, Any] = {}
-        for k, v in d.items():
-            if isinstance(v, torch.Tensor):
-                tensor_keys.append(k)
-            elif k not in initial:
-                new_extra[k] = v
-        mod._parameters.clear()
-        mod._parameters.update(ol.params)
-        mod._buffers.clear()
-        mod._buffers.update(ol.buffers)
-        for k in tensor_keys:
-            del d[k]
-        d.update(ol.tensor_attrs)
-        if keep_new_attrs:
-            d.update(new_extra)  # the processor's attributes win over a reinstalled one of the same name
-        else:
-            for k in new_extra:
-                del d[k]
-            d.update(ol.extra_attrs)
-
-    # ------------------------------------------------------------------ ending
     def _require_open(self) -> None:
         if self._status != "open":
             raise UpdateStateError(f"update {self.version!r} is already {self._status}")
@@ -701,24 +491,6 @@ class UpdateSession:
     def status(self) -> str:
         """'open', 'finished' or 'aborted'."""
         return self._status
-
-
-_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
-
-
-def _sole_owner(t: torch.Tensor) -> bool:
-    """Whether ``t`` is the only tensor using its storage (so reusing the bytes cannot change anyone's
-    data). Without the counter (another torch build), nothing is reused."""
-    if _storage_use_count is None:
-        return False
-    # The temporary storage object made here holds one reference besides ``t``'s own.
-    return _storage_use_count(t.untyped_storage()._cdata) <= 2
-
-
-def _storage_uses(t: torch.Tensor) -> int:
-    """How many tensors use ``t``'s storage (requires the counter, see :func:`_sole_owner`)."""
-    assert _storage_use_count is not None
-    return _storage_use_count(t.untyped_storage()._cdata)
 
 
 def _model_device(model: nn.Module) -> torch.device:
