@@ -30,3 +30,17 @@ def test_the_triton_kernel_quantizes_bitwise_like_the_torch_path(dtype, granular
             ref_q, ref_s = quantize_fp8(w, config)
         assert torch.equal(fast_s, ref_s)
         assert torch.equal(fast_q.view(torch.uint8), ref_q.view(torch.uint8)), (shape, dtype, granularity, block)
+
+
+@pytest.mark.multi_gpu
+def test_the_triton_kernel_quantizes_a_weight_on_a_gpu_that_is_not_the_current_one() -> None:
+    # The nccl demo builds its reference engine on cuda:1 from a process whose current device is cuda:0.
+    if torch.cuda.device_count() < 2 or not fp8.triton_available():
+        pytest.skip("needs 2 GPUs and Triton")
+    torch.cuda.set_device(0)
+    w = torch.randn(256, 384, device="cuda:1").to(torch.bfloat16)
+    config = Fp8Config(granularity="block")
+    q, s = quantize_fp8(w, config)
+    ref_q, ref_s = quantize_fp8(w.to("cuda:0"), config)
+    assert q.device == torch.device("cuda:1")
+    assert torch.equal(q.view(torch.uint8).cpu(), ref_q.view(torch.uint8).cpu()) and torch.equal(s.cpu(), ref_s.cpu())

@@ -69,6 +69,9 @@ def scale_cast_fp8(w: torch.Tensor, scale: torch.Tensor, granularity: str, block
     else:
         (bn, bk), s_row, s_col = block_size, s.stride(0), s.stride(1)
     grid = (-(-n // 32), -(-k // 128))
-    _kernel()[grid](w, q, s, n, k, w.stride(0), q.stride(0), s_row, s_col, bn, bk, fmax,
-                    BLOCK_M=32, BLOCK_N=128)
+    # Triton launches on the *current* device (and its current stream): a weight on another GPU than the
+    # current one (an engine on cuda:1 built from a process whose current device is cuda:0) must switch.
+    with torch.cuda.device(w.device):
+        _kernel()[grid](w, q, s, n, k, w.stride(0), q.stride(0), s_row, s_col, bn, bk, fmax,
+                        BLOCK_M=32, BLOCK_N=128)
     return q
