@@ -55,15 +55,37 @@ def graph_visible_tensors(layer: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def _named_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``list(model.named_modules())`` (same names, order and de-duplication) without generator recursion."""
+    out: list[tuple[str, nn.Module]] = []
+    memo: set[int] = set()
+    stack: list[tuple[str, nn.Module]] = [("", model)]
+    while stack:
+        prefix, mod = stack.pop()
+        if id(mod) in memo:
+            continue
+        memo.add(id(mod))
+        out.append((prefix, mod))
+        children = mod._modules
+        if children:
+            # Pushed in reverse so they pop in registration order: a pre-order walk like named_modules.
+            stack.extend(reversed([
+                (f"{prefix}.{name}" if prefix else name, child)
+                for name, child in children.items() if child is not None
+            ]))
+    return out
+
+
 def iter_graph_visible_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """All graph-visible tensors of ``model`` as (qualified name, tensor); shared tensors appear once."""
     seen: set[int] = set()
-    for mod_name, mod in model.named_modules():
+    for mod_name, mod in _named_modules(model):
+        prefix = f"{mod_name}." if mod_name else ""
         for t_name, t in graph_visible_tensors(mod).items():
             if id(t) in seen:
                 continue
             seen.add(id(t))
-            yield (f"{mod_name}.{t_name}" if mod_name else t_name), t
+            yield prefix + t_name, t
 
 
 def layers_with_tensors(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
@@ -90,47 +112,18 @@ class TensorSignature(NamedTuple):
         return f"{self.shape} {str(self.dtype).removeprefix('torch.')} stride {self.stride} at {self.data_ptr:#x}"
 
 
-def _named_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``list(model.named_modules())`` (same names, order and de-duplication) without generator recursion."""
-    out: list[tuple[str, nn.Module]] = []
-    memo: set[int] = set()
-    stack: list[tuple[str, nn.Module]] = [("", model)]
-    while stack:
-        prefix, mod = stack.pop()
-        if id(mod) in memo:
-            continue
-        memo.add(id(mod))
-        out.append((prefix, mod))
-        children = mod._modules
-        if children:
-            # Pushed in reverse so they pop in registration order: a pre-order walk like named_modules.
-            stack.extend(reversed([
-                (f"{prefix}.{name}" if prefix else name, child)
-                for name, child in children.items() if child is not None
-            ]))
-    return out
-
-
 _new_signature = tuple.__new__
 
 
 def signatures(model: nn.Module) -> dict[str, TensorSignature]:
     """Signatures of every graph-visible tensor of ``model`` (meta tensors are skipped)."""
-    # Taken twice per update over every tensor of the model: the walk and the tuples are built inline
-    # (what iter_graph_visible_tensors and TensorSignature.of do, minus their per-item call overhead).
-    out: dict[str, TensorSignature] = {}
-    seen: set[int] = set()
-    for mod_name, mod in _named_modules(model):
-        prefix = f"{mod_name}." if mod_name else ""
-        for t_name, t in graph_visible_tensors(mod).items():
-            if id(t) in seen:
-                continue
-            seen.add(id(t))
-            if not t.is_meta:
-                out[prefix + t_name] = _new_signature(
-                    TensorSignature, (t.data_ptr(), t.shape, t.dtype, t.stride(), t.device)
-                )
-    return out
+    # Taken twice per update over every tensor of the model: the tuples are built inline (what
+    # TensorSignature.of does, minus its per-item call overhead).
+    return {
+        name: _new_signature(TensorSignature, (t.data_ptr(), t.shape, t.dtype, t.stride(), t.device))
+        for name, t in iter_graph_visible_tensors(model)
+        if not t.is_meta
+    }
 
 
 def verify_signatures(model: nn.Module, before: Mapping[str, TensorSignature]) -> None:
