@@ -199,6 +199,8 @@ class Channel:
         thread joined with the channel's deadline, because NCCL's teardown may wait on its proxy threads.
         """
         groups, self._groups, self._on_fail = self._groups, [], []
+        if self.broken is not None:
+            return  # fail() already aborted every group
         nccl_type = getattr(dist, "ProcessGroupNCCL", None)
         nccl = [g for g in groups if nccl_type is not None and isinstance(g, nccl_type)]
         if not nccl:
