@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["bucket_checksum", "checksum_value", "prepare_checksum", "tensor_checksum"]
+__all__ = ["ChecksumWorkspace", "reuse_workspace", "bucket_checksum", "checksum_value", "prepare_checksum", "tensor_checksum"]
 
 _PERIOD = 65521
 _MASK32 = 0xFFFFFFFF
@@ -45,7 +45,31 @@ def prepare_checksum(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def bucket_checksum(data: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+class ChecksumWorkspace:
+    """The intermediates of :func:`bucket_checksum` (1.3 MB), allocated once per transport side.
+
+    Without one every checksum allocates its column sums and weighted products; during a live update
+    those transient megabytes land on top of the engine's peak memory. A workspace belongs to one
+    stream's work at a time (the sender's pack stream, a receiver's compute stream): two streams sharing
+    one would race on it.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self.cols = torch.empty(_PERIOD, dtype=torch.int32, device=self.device)
+        self.products = torch.empty((2, _PERIOD), dtype=torch.int64, device=self.device)
+        self.sums = torch.empty(2, dtype=torch.int64, device=self.device)
+        self.tail = torch.empty(2, dtype=torch.int64, device=self.device)
+
+
+def reuse_workspace(workspace: ChecksumWorkspace | None, device: torch.device) -> ChecksumWorkspace:
+    """``workspace`` if it is on ``device``, else a new one there (allocated on first use, then kept)."""
+    return workspace if workspace is not None and workspace.device == device else ChecksumWorkspace(device)
+
+
+def bucket_checksum(
+    data: torch.Tensor, out: torch.Tensor | None = None, workspace: ChecksumWorkspace | None = None
+) -> torch.Tensor:
     """Return int64 ``[hi, lo]`` (the two 32-bit sums) for a 1-D uint8 tensor of 4-byte multiple length.
 
     ``checksum_value(result, data.numel())`` equals ``tensor_checksum(data)``. With ``out`` (an int64
@@ -66,14 +90,26 @@ def bucket_checksum(data: torch.Tensor, out: torch.Tensor | None = None) -> torc
     rows = n // _PERIOD
     tail = n - rows * _PERIOD
     weights = _weight_rows(data.device)
+    ws = workspace if workspace is not None and workspace.device == data.device else None
     acc: torch.Tensor | None = None
     if rows:
         # int32 accumulation output: the reduction accumulates wider and wraps on the final cast, which
         # is exactly the column sum mod 2**32 without materializing an int64 copy of the data.
-        cols = words[: rows * _PERIOD].view(rows, _PERIOD).sum(dim=0, dtype=torch.int32)
-        acc = (cols * weights).sum(dim=1)
+        block = words[: rows * _PERIOD].view(rows, _PERIOD)
+        if ws is None:
+            cols = block.sum(dim=0, dtype=torch.int32)
+            acc = (cols * weights).sum(dim=1)
+        else:
+            torch.sum(block, dim=0, dtype=torch.int32, out=ws.cols)
+            torch.mul(ws.cols, weights, out=ws.products)
+            acc = torch.sum(ws.products, dim=1, out=ws.sums)
     if tail:
-        part = (words[rows * _PERIOD :] * weights[:, :tail]).sum(dim=1)
+        if ws is None:
+            part = (words[rows * _PERIOD :] * weights[:, :tail]).sum(dim=1)
+        else:
+            prod = ws.products[:, :tail]
+            torch.mul(words[rows * _PERIOD :], weights[:, :tail], out=prod)
+            part = torch.sum(prod, dim=1, out=ws.tail)
         acc = part if acc is None else acc.add_(part)
     if acc is None:
         return out.zero_() if out is not None else torch.zeros(2, dtype=torch.int64, device=data.device)

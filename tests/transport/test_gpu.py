@@ -9,6 +9,7 @@ import torch
 
 from tests.transport.harness import gpu_flipped_byte, gpu_sync
 from tests.transport.test_faults import _run_sender_failure
+from weight_sync.checksum import ChecksumWorkspace
 from weight_sync.manifest import tensor_checksum
 from weight_sync.testing import run_distributed
 from weight_sync.transport import bucket_checksum, checksum_value
@@ -18,6 +19,15 @@ from weight_sync.transport import bucket_checksum, checksum_value
 def test_bucket_checksum_on_cuda_equals_the_cpu_checksum() -> None:
     data = torch.randint(0, 256, (4 * (3 * 65521 + 11),), dtype=torch.uint8)
     assert checksum_value(bucket_checksum(data.cuda()), data.numel()) == tensor_checksum(data)
+    ws = ChecksumWorkspace(torch.device("cuda"))
+    on_device = data.cuda()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    got = bucket_checksum(on_device, workspace=ws)
+    assert checksum_value(got, data.numel()) == tensor_checksum(data)
+    # Only the reductions' own scratch (a few KB), none of the 1.3 MB of intermediates.
+    assert torch.cuda.max_memory_allocated() - before < 64 << 10
 
 
 @pytest.mark.multi_gpu

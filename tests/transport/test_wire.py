@@ -11,7 +11,7 @@ pytest.importorskip("hypothesis")  # the device machine runs GPU tests without i
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weight_sync.checksum import tensor_checksum
+from weight_sync.checksum import ChecksumWorkspace, tensor_checksum
 from weight_sync.errors import ConfigError, TransportError
 from weight_sync.transport import TransportConfig, bucket_checksum, checksum_value
 from weight_sync.transport.wire import (
@@ -119,3 +119,12 @@ def test_a_long_status_message_is_truncated_to_valid_json() -> None:
 def test_invalid_configs_name_the_field_and_the_value(kwargs: dict, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         TransportConfig(**kwargs)
+
+
+@pytest.mark.parametrize("words", [1, 65520, 65521, 65522, 3 * 65521 + 17])
+def test_a_reused_workspace_gives_the_same_checksum_as_fresh_intermediates(words: int) -> None:
+    ws = ChecksumWorkspace(torch.device("cpu"))
+    for seed in range(2):  # the second pass reuses what the first wrote
+        g = torch.Generator().manual_seed(seed)
+        data = torch.randint(0, 256, (4 * words,), dtype=torch.uint8, generator=g)
+        assert bucket_checksum(data, workspace=ws).tolist() == bucket_checksum(data).tolist()

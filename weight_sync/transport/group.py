@@ -118,6 +118,10 @@ def make_group(kind: str, store: dist.Store, prefix: str, rank: int, size: int, 
         # (when it fires it may tear the process down, so it must never be the first to notice).
         with contextlib.suppress(AttributeError):  # older torch: its default (10 min) is a backstop too
             opts._timeout = timedelta(seconds=max(4 * timeout_s, 60.0))
+        # NCCL kernels need SMs like any kernel: on a normal-priority stream a broadcast queued behind
+        # (or next to) the engine's processing kernels waits for their blocks to drain, and the wire
+        # idles. A high-priority stream gets the next free SMs first.
+        opts.is_high_priority_stream = True
         return dist.ProcessGroupNCCL(pstore, rank, size, opts)
     raise ValueError(f"group kind must be 'gloo' or 'nccl', got {kind!r}")
 

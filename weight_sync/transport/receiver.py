@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from weight_sync.checksum import bucket_checksum, checksum_value, prepare_checksum
+from weight_sync.checksum import ChecksumWorkspace, bucket_checksum, reuse_workspace, checksum_value, prepare_checksum
 from weight_sync.errors import ChecksumError, TransportError, TransportTimeout, UpdateStateError
 from weight_sync.layers.streams import device_shim
 from weight_sync.manifest import Manifest
@@ -128,6 +128,7 @@ class WeightReceiver:
         self._checks: torch.Tensor | None = None
         self._checks_host: torch.Tensor | None = None
         self._readback_event: Any = None
+        self._ck: ChecksumWorkspace | None = None  # checksum intermediates, allocated on first use
         self._link: Link | None = None
         self._store: Any = None
         self._disk: DiskReader | None = None
@@ -469,7 +470,9 @@ class WeightReceiver:
         p = bucket.payload_bytes
         row[: len(TRAILER_FIELDS)].copy_(buf[p : p + TRAILER_BYTES].view(torch.int64))
         if self.params.checksum:
-            bucket_checksum(buf[:p], out=row[len(TRAILER_FIELDS) :])
+            # Intermediates allocated once (first bucket), not per bucket: no transient memory.
+            self._ck = reuse_workspace(self._ck, buf.device)
+            bucket_checksum(buf[:p], out=row[len(TRAILER_FIELDS) :], workspace=self._ck)
 
     def _readback(self, rows: torch.Tensor, phase: str) -> list[list[int]]:
         """Read ``rows`` of the check table to the host. CUDA: a copy into pinned memory behind the loads,

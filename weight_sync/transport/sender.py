@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from weight_sync.checksum import bucket_checksum, prepare_checksum
+from weight_sync.checksum import ChecksumWorkspace, bucket_checksum, reuse_workspace, prepare_checksum
 from weight_sync.errors import ManifestError, SourceError, TransportError, WeightSyncError
 from weight_sync.layers.streams import device_shim
 from weight_sync.manifest import Manifest, TensorMeta, dtype_to_str
@@ -117,6 +117,7 @@ class WeightSender:
         self._channel: Channel | None = None
         self._plane: BroadcastSenderPlane | SharedSenderPlane | None = None
         self._buffers: list[torch.Tensor] = []
+        self._ck: ChecksumWorkspace | None = None  # checksum intermediates, allocated on first use
         self._shm_handles: list[Any] = []
         self._links: dict[int, Link] = {}
         self._stats_at_start: dict[str, int] = {}
@@ -468,7 +469,9 @@ class WeightSender:
             if status != STATUS_OK:
                 trailer[4:5].fill_(status)
             if self.config.checksum and status == STATUS_OK:
-                bucket_checksum(buf[:p], out=trailer[6:8])
+                # Intermediates allocated once (first bucket), not per bucket: no transient memory.
+                self._ck = reuse_workspace(self._ck, buf.device)
+                bucket_checksum(buf[:p], out=trailer[6:8], workspace=self._ck)
             else:
                 trailer[6:8].zero_()
 
