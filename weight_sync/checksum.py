@@ -55,7 +55,11 @@ class ChecksumWorkspace:
     """
 
     def __init__(self, device: torch.device) -> None:
-        self.device = torch.device(device)
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            # Tensors always carry an index: 'cuda' alone would never match them (and never be used).
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
         self.cols = torch.empty(_PERIOD, dtype=torch.int32, device=self.device)
         self.products = torch.empty((2, _PERIOD), dtype=torch.int64, device=self.device)
         self.sums = torch.empty(2, dtype=torch.int64, device=self.device)
