@@ -110,3 +110,91 @@ def dp_wave(rank: int, world: int, steps_per_request: list[int | None]) -> dict[
     expected = ref.generate(tokens=16, num_inference_steps=waves[0].num_inference_steps, seed=req.seed)
     handle.disable()
     return {"rejected": "", "equal": torch.equal(mine, expected), "request": req.request_id}
+
+
+def landing_equal(rank: int, world: int, dit: dict[str, Any], opts: dict[str, Any], steps: int) -> dict[str, Any]:
+    """AllGather with landing buffers: outputs, metrics, and where every gather read from / wrote to."""
+    torch.set_num_threads(1)
+    import weight_sync.offload.submitter as submitter_mod
+
+    device = opts.pop("device", "cpu")
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
+    gathers: list[tuple[int, int]] = []  # (input storage, output storage) of every block gather
+    real_gather = submitter_mod.all_gather_bytes
+
+    def recording(out: torch.Tensor, inp: torch.Tensor, group: Any, *, async_op: bool = False) -> Any:
+        gathers.append((inp.untyped_storage().data_ptr(), out.untyped_storage().data_ptr()))
+        return real_gather(out, inp, group, async_op=async_op)
+
+    submitter_mod.all_gather_bytes = recording  # type: ignore[assignment]
+    ref, off = _models(dit, device)
+    expected = ref.generate(tokens=24, num_inference_steps=steps, seed=rank)
+    handle = enable_layerwise_offload(off, _config(world, device, dlo_landing_buffers=True, **opts))
+    assert handle.streamer is not None
+    slots = {s.untyped_storage().data_ptr() for s in handle.streamer.slots}
+    landing = {b.untyped_storage().data_ptr() for b in handle.streamer.landing}
+    weights_seen: set[int] = set()
+
+    def record_weights(module: torch.nn.Module, args: Any) -> None:
+        weights_seen.update(p.untyped_storage().data_ptr() for p in module.parameters())
+
+    hooks = [b.register_forward_pre_hook(record_weights) for b in off.transformer.blocks]
+    out = off.generate(tokens=24, num_inference_steps=steps, seed=rank)
+    again = off.generate(tokens=24, num_inference_steps=steps, seed=rank)
+    for h in hooks:
+        h.remove()
+    metrics = handle.metrics()
+    handle.disable()  # restore loads: in place, into fresh per-block buffers (the slots still exist)
+    after = off.generate(tokens=24, num_inference_steps=steps, seed=rank)
+    # A gather into a slot streamed a block (the last prefetch may still have been in flight when the
+    # metrics were read); any other gather restored one.
+    streamed = [(i, o) for i, o in gathers if o in slots]
+    restored = [(i, o) for i, o in gathers if o not in slots]
+    return {
+        "equal": torch.equal(out, expected) and torch.equal(again, expected),
+        "equal_after_disable": torch.equal(after, expected),
+        "metrics": metrics,
+        "weights_only_in_slots": weights_seen == slots,
+        "num_landing_buffers": len(landing),
+        "streamed_gathers_out_of_place": all(i in landing for i, _ in streamed),
+        "num_streamed_gathers": len(streamed),
+        "restore_gathers_in_place": all(i == o for i, o in restored),
+        "num_restore_gathers": len(restored),
+    }
+
+
+def mismatched_landing(rank: int, world: int) -> str:
+    """Only rank 0 turns landing buffers on: every rank must fail at the digest check, before any gather."""
+    torch.set_num_threads(1)
+    _, off = _models({"num_blocks": 3})
+    try:
+        enable_layerwise_offload(off, _config(world, "cpu", dlo_landing_buffers=rank == 0))
+    except ConfigError as e:
+        return str(e)
+    return "no error"
+
+
+def landing_allocations(rank: int, world: int, dit: dict[str, Any]) -> dict[str, int]:
+    """CUDA: device allocations of one offloaded forward with landing buffers vs one resident forward."""
+    torch.cuda.set_device(rank)
+    device = f"cuda:{rank}"
+    ref, off = _models(dit, device)
+    x = torch.randn(1, 256, ref.transformer.config.in_channels, device=device)
+    t = torch.full((1,), 0.5, device=device)
+
+    def allocations(fn: Any) -> int:
+        fn()  # warm-up (kernels, workspaces, the communicator's first use)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_stats()["allocation.all.allocated"]
+        fn()
+        torch.cuda.synchronize()
+        return int(torch.cuda.memory_stats()["allocation.all.allocated"] - before)
+
+    with torch.no_grad():
+        theirs = allocations(lambda: ref.transformer(x, t))
+        handle = enable_layerwise_offload(off, _config(world, device, dlo_landing_buffers=True))
+        ours = allocations(lambda: off.transformer(x, t))
+        handle.disable()
+    return {"ours": ours, "theirs": theirs}

@@ -1,5 +1,6 @@
 """GPU checks (run on the device machine): bitwise equality on CUDA, no hot-path allocation or sync,
-peak memory within non-block weights + 2 slots + activations, pinned host storage, NCCL AllGather."""
+peak memory within non-block weights + 2 slots + activations, pinned host storage, NCCL AllGather
+(in place and with landing buffers)."""
 
 from __future__ import annotations
 
@@ -148,3 +149,27 @@ def test_nccl_allgather_dp2_output_is_bitwise_equal_to_resident() -> None:
         assert m["gather_group_size"] == 2 and m["num_gathers"] >= 15
         assert m["host_bytes"] <= 0.55 * m["block_bytes"]
         assert m["pinned_bytes"] > 0
+
+
+@pytest.mark.multi_gpu
+def test_nccl_allgather_dp2_with_landing_buffers_is_bitwise_equal_to_resident() -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    dit = {"hidden": 1024, "heads": 8, "num_blocks": 5, "in_channels": 16}
+    results = run_distributed(_workers.landing_equal, 2, dit, {"device": "cuda"}, 3, backend="nccl")
+    for r in results:
+        assert r["equal"] and r["equal_after_disable"]
+        assert r["streamed_gathers_out_of_place"] and r["restore_gathers_in_place"]
+        assert r["weights_only_in_slots"]
+        m = r["metrics"]
+        assert m["num_slots_allocated"] == 2 and m["num_landing_buffers_allocated"] == 2
+        assert m["landing_bytes"] * 2 == m["slot_bytes"]
+
+
+@pytest.mark.multi_gpu
+def test_nccl_landing_buffers_add_no_allocation_to_the_forward() -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    dit = {"hidden": 1024, "heads": 8, "num_blocks": 4, "in_channels": 16}
+    for r in run_distributed(_workers.landing_allocations, 2, dit, backend="nccl"):
+        assert r["ours"] == r["theirs"]  # activations only

@@ -48,6 +48,10 @@ class OffloadConfig:
       ``alignment_bytes``: byte alignment of every tensor inside a slot (kernels and SIMD paths).
       ``transfer_timeout_s``: the longest the compute thread waits for a transfer to be submitted.
       ``trace``: record a per-block timeline (compute / H2D / AllGather); ``trace_capacity`` spans.
+      ``dlo_landing_buffers``: with AllGather, copy each shard into one of two device *landing* buffers
+        (one shard each) and gather out of place into the slot, so the shard H2D no longer waits for the
+        slot to be free (see ``weight_sync.offload.submitter``). Costs 2 x shard bytes of device memory.
+        Requires ``dlo_use_allgather``; inert (nothing allocated) when the gather group has size 1.
     """
 
     enable_distributed_layerwise_offload: bool = False
@@ -67,6 +71,7 @@ class OffloadConfig:
     transfer_timeout_s: float = 600.0
     trace: bool = False
     trace_capacity: int = 8192
+    dlo_landing_buffers: bool = False
 
     def __post_init__(self) -> None:
         for name in ("data_parallel_size", "usp", "tensor_parallel_size"):
@@ -94,6 +99,15 @@ class OffloadConfig:
             raise ConfigError(f"transfer_timeout_s must be > 0, got: {self.transfer_timeout_s!r}")
         if self.trace_capacity < 1:
             raise ConfigError(f"trace_capacity must be >= 1, got: {self.trace_capacity!r}")
+        if not isinstance(self.dlo_landing_buffers, bool):
+            raise ConfigError(f"dlo_landing_buffers must be a bool, got: {self.dlo_landing_buffers!r}")
+        if self.dlo_landing_buffers and not self.dlo_use_allgather:
+            raise ConfigError(
+                "dlo_landing_buffers=True requires dlo_use_allgather=True (--dlo-use-allgather): landing "
+                "buffers stage this rank's AllGather shard on the device, but with "
+                "--dlo-no-use-allgather each block is copied whole into its slot and there is no shard "
+                "to land"
+            )
         self._reject_invalid_combinations()
 
     def _reject_invalid_combinations(self) -> None:

@@ -64,7 +64,7 @@ class OffloadHandle:
         return self.gather.rank
 
     def metrics(self) -> dict[str, Any]:
-        """Counters: ``h2d_bytes``, ``fabric_bytes``, ``pinned_bytes``, ``num_fallbacks`` and more."""
+        """Counters: ``h2d_bytes``, ``fabric_bytes``, ``slot_bytes``, ``landing_bytes`` and more."""
         return self._metrics.as_dict()
 
     def trace(self) -> list[Span]:
@@ -262,8 +262,10 @@ def enable_layerwise_offload(
     index_of = {name: i for i, (name, _) in enumerate(streamed)}
     rings = [[index_of[name] for name, _ in ring.blocks] for ring in topology.rings]
     # Before the first AllGather (and before any mutation): all ranks must share one schedule.
+    landing = config.dlo_landing_buffers and gather.active  # inert with a group of one
     gather.check_same_schedule(
-        schedule_digest(layouts, rings, group_size=gather.size, alignment=config.alignment_bytes)
+        schedule_digest(layouts, rings, group_size=gather.size, alignment=config.alignment_bytes,
+                        landing_buffers=landing)
     )
     metrics.num_streamed_blocks = len(layouts)
     metrics.num_resident_blocks = len(topology.resident_blocks)
@@ -287,7 +289,7 @@ def enable_layerwise_offload(
             streamer = BlockStreamer(
                 layouts=layouts, rings=rings, modules=[b for _, b in streamed], store=store,
                 gather=gather, shim=shim, metrics=metrics, trace=trace,
-                timeout_s=config.transfer_timeout_s,
+                timeout_s=config.transfer_timeout_s, landing_buffers=landing,
             )
     with torch.no_grad():
         for _, owner in owners:
@@ -307,9 +309,10 @@ def enable_layerwise_offload(
     setattr(root, _HANDLE_ATTR, handle)
     logger.info(
         "[rank %d] DLO on %s: %d streamed / %d resident blocks, %s host storage (%s), group %d, "
-        "slot %.1f MB",
+        "slot %.1f MB, landing buffers %.1f MB",
         gather.global_rank, type(root).__name__, len(layouts), len(topology.resident_blocks),
         metrics.host_storage or "none", host.source, gather.size, metrics.slot_bytes / 1e6,
+        metrics.num_landing_buffers_allocated * metrics.landing_bytes / 1e6,
     )
     return handle
 

@@ -35,6 +35,11 @@ class OffloadMetrics:
     block_bytes: int = 0  # unsharded bytes of all streamed blocks
     slot_bytes: int = 0  # bytes of each of the two device slots
     num_slots_allocated: int = 0
+    # dlo_landing_buffers with AllGather: bytes of each of the two device landing buffers (one shard of
+    # the largest block) and how many were allocated (2, else 0). Device memory for streamed blocks is
+    # num_slots_allocated * slot_bytes + num_landing_buffers_allocated * landing_bytes.
+    landing_bytes: int = 0
+    num_landing_buffers_allocated: int = 0
     num_streamed_blocks: int = 0
     num_resident_blocks: int = 0
     num_block_loads: int = 0  # loads consumed by a block forward

@@ -13,6 +13,13 @@ the slot may be overwritten.
 
 Loads alternate slots by a running sequence number, not by block index, so odd rings and mispredicted
 rings stay correct. Nothing on this path allocates device memory or synchronizes the device.
+
+Device memory for streamed blocks is allocated once, here: two slots (the largest block, padded) and,
+with ``landing_buffers`` (``dlo_landing_buffers`` while AllGather is active), two landing buffers of one
+shard of the largest block each. In place, a block's shard is copied straight into its slot, so the copy
+of block i+2 waits for compute of block i to leave the slot; with landing buffers the shard is copied
+into a landing buffer and gathered out of place into the slot, and only the (short) gather waits for the
+slot. See ``weight_sync.offload.submitter`` for the stream protocol of both modes.
 """
 
 from __future__ import annotations
@@ -50,13 +57,23 @@ class BlockStreamer:
         metrics: OffloadMetrics,
         trace: Trace | None,
         timeout_s: float,
+        landing_buffers: bool = False,
     ) -> None:
         self.layouts, self.modules, self.shim = list(layouts), list(modules), shim
         self.metrics, self.trace = metrics, trace
         slot_bytes = max(lay.padded_bytes if gather.active else lay.nbytes for lay in layouts)
-        # The only device memory offload allocates for streamed blocks: two slots, once.
+        # The only device memory offload allocates for streamed blocks: two slots, once (plus, with
+        # landing buffers, two buffers of one shard each).
         self.slots = [torch.zeros(slot_bytes, dtype=torch.uint8, device=shim.device) for _ in range(2)]
-        # The zero fill runs on the compute stream; the copy stream's first write must not race it.
+        self.landing: list[torch.Tensor] = []
+        if landing_buffers and gather.active:
+            landing_bytes = max(lay.shard_bytes for lay in layouts)
+            self.landing = [
+                torch.zeros(landing_bytes, dtype=torch.uint8, device=shim.device) for _ in range(2)
+            ]
+            metrics.landing_bytes = landing_bytes
+            metrics.num_landing_buffers_allocated += 2
+        # The zero fills run on the compute stream; the copy stream's first write must not race them.
         shim.synchronize()
         metrics.slot_bytes = slot_bytes
         metrics.num_slots_allocated += 2
@@ -68,7 +85,7 @@ class BlockStreamer:
         self.events = SlotEvents(shim)
         self.submitter = Submitter(
             shim=shim, store=store, layouts=self.layouts, gather=gather, events=self.events,
-            metrics=metrics, trace=trace, timeout_s=timeout_s,
+            metrics=metrics, trace=trace, timeout_s=timeout_s, landing=self.landing,
         )
         self._seq = 0
         self._pending: dict[int, tuple[int, int]] = {}  # block -> (seq, slot) queued, not yet consumed
@@ -141,4 +158,6 @@ class BlockStreamer:
         self.submitter.close()
         self._pending.clear()
         self.slots.clear()
+        self.landing.clear()
+        self.submitter.landing.clear()
         self.views.clear()

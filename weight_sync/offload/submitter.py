@@ -7,18 +7,42 @@ work. The compute thread later waits only until a job has been *submitted* (its 
 recorded), never for the device to finish it: the device-side wait is an event wait on the compute
 stream.
 
-Stream protocol for a load of block b into slot s (events are allocated once, two per kind):
+Stream protocol. Events are allocated once, two per kind: ``ready[s]`` (slot s holds its block),
+``free[s]`` (compute finished reading slot s), ``h2d[k]`` (the copy a job issued finished) and, with
+landing buffers, ``consumed[k]`` (the gather that read landing buffer k finished).
+
+In place (no AllGather, or AllGather without landing buffers), a load of block b into slot s:
 
     copy stream:  wait free[s]   (compute finished reading the slot's previous block)
                   wait ready[s]  (the previous load into s, including its gather, finished writing)
-                  H2D host -> slot (this rank's shard with AllGather)
+                  H2D host -> slot (with AllGather: this rank's shard, into its own 1/group region)
                   record h2d[s]
-    comm stream:  wait h2d[s]; AllGather(slot) on the dedicated communicator; record ready[s]
+    comm stream:  wait h2d[s]; AllGather(slot) in place on the dedicated communicator; record ready[s]
     (no AllGather: ready[s] is recorded on the copy stream right after the H2D)
 
+With landing buffers (``dlo_landing_buffers``, AllGather active), load number n (block b, slot s) uses
+landing buffer k = n % 2 (two device buffers of one shard each, allocated once next to the slots):
+
+    copy stream:  wait consumed[k]  (the gather that last read landing[k] finished)
+                  H2D host shard -> landing[k]
+                  record h2d[k]
+    comm stream:  wait h2d[k]; wait free[s]  (the previous load into s recorded ready[s] earlier on this
+                  same stream, so its gather is already ordered before this one)
+                  AllGather(slot <- landing[k]) out of place; record ready[s]; record consumed[k]
+
+Why landing buffers help. In place, the shard H2D of block b+2 writes into the slot that block b uses, so
+it starts only once compute of b is done; the gather follows the copy and compute of b+2 follows the
+gather. The critical cycle over two blocks is C + H + G (compute, shard H2D, gather per block): about
+(C + H + G) / 2 per block, although the copy engine and the SMs could each keep pace alone. With landing
+buffers only the gather (G, short, over NVLink) waits for the slot; the copy waits only for the gather of
+two loads back, so the copy engine runs ahead and the pace per block tends to max(C, H). The cost is
+two shards of device memory (``landing_bytes`` in the metrics). Restore loads (``slot`` None) always
+run in place.
+
 ``free[s]`` is recorded by the compute thread after the block that used slot s, *before* the job that
-overwrites s is queued, so the copy stream waits on an event that was already recorded: a wait on an
-event recorded later would silently not wait.
+overwrites s is queued, so the stream that waits on it waits on an event that was already recorded: a
+wait on an event recorded later would silently not wait. ``h2d[k]`` and ``consumed[k]`` are recorded and
+waited on by this thread only, in job order, so the same holds for them.
 """
 
 from __future__ import annotations
@@ -58,12 +82,14 @@ class LoadJob:
 
 
 class SlotEvents:
-    """The per-slot events, created once: ready (weights landed), free (compute done), h2d (copy done)."""
+    """The events, created once, two of each: ready (weights landed), free (compute done), h2d (copy
+    done) and consumed (landing buffer read by its gather; used with landing buffers only)."""
 
     def __init__(self, shim: DeviceShim) -> None:
         self.ready: list[Event] = [shim.event(), shim.event()]
         self.free: list[Event] = [shim.event(), shim.event()]
         self.h2d: list[Event] = [shim.event(), shim.event()]
+        self.consumed: list[Event] = [shim.event(), shim.event()]
 
 
 class Submitter:
@@ -80,9 +106,13 @@ class Submitter:
         metrics: OffloadMetrics,
         trace: Trace | None,
         timeout_s: float,
+        landing: Sequence[torch.Tensor] = (),
     ) -> None:
         self.shim, self.store, self.layouts = shim, store, list(layouts)
         self.gather, self.events, self.metrics, self.trace = gather, events, metrics, trace
+        if landing and (len(landing) != 2 or not gather.active):
+            raise WeightSyncError("landing buffers come in pairs and need an active gather group")
+        self.landing = list(landing)  # two device buffers of one shard each, or empty (in place)
         self.timeout_s = timeout_s
         self.copy_stream = shim.stream()
         self.comm_stream = shim.stream()
@@ -153,6 +183,9 @@ class Submitter:
                 self._cond.notify_all()
 
     def _run(self, job: LoadJob) -> None:
+        if self.landing and job.slot is not None:
+            self._run_landed(job, job.slot)
+            return
         lay = self.layouts[job.index]
         g = self.gather
         size = lay.shard_bytes if g.active else lay.nbytes
@@ -189,4 +222,32 @@ class Submitter:
             else:
                 ev.ready[s].record(self.comm_stream)
         self.metrics.fabric_bytes += lay.padded_bytes - size
+        self.metrics.num_gathers += 1
+
+    def _run_landed(self, job: LoadJob, s: int) -> None:
+        """Landing-buffer load: H2D into landing[k], then an out-of-place gather into slot ``s``."""
+        lay = self.layouts[job.index]
+        ev, k = self.events, job.seq % 2
+        landing = self.landing[k][: lay.shard_bytes]
+        with self.copy_stream.use():
+            # Only the gather that last read landing[k] must be done - not compute on the slot.
+            self.copy_stream.wait_event(ev.consumed[k])
+            mark = self.trace.begin() if self.trace else None
+            self.metrics.h2d_bytes += self.store.copy_block(job.index, landing)
+            if self.trace:
+                self.trace.end("h2d", lay.name, mark)
+            ev.h2d[k].record(self.copy_stream)
+        with self.comm_stream.use():
+            self.comm_stream.wait_event(ev.h2d[k])
+            # Compute finished reading the slot's previous block; the previous load into the slot
+            # (its ready[s]) was recorded earlier on this stream, so it is ordered before this gather.
+            self.comm_stream.wait_event(ev.free[s])
+            mark = self.trace.begin() if self.trace else None
+            work = all_gather_bytes(job.dst[: lay.padded_bytes], landing, self.gather.group, async_op=True)
+            work.wait()  # NCCL: a stream wait (no CPU block); gloo: blocks this thread until done
+            if self.trace:
+                self.trace.end("allgather", lay.name, mark)
+            ev.ready[s].record(self.comm_stream)
+            ev.consumed[k].record(self.comm_stream)
+        self.metrics.fabric_bytes += lay.padded_bytes - lay.shard_bytes
         self.metrics.num_gathers += 1
