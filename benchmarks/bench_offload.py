@@ -5,14 +5,16 @@ one block's H2D from pinned memory, our offloaded forward (no AllGather) and, wh
 accelerate) is importable, ``apply_group_offloading(block_level, use_stream=True)``. It reports the
 physical bound ``max(1, h2d / compute)`` per block, our ratio to it, our ratio to diffusers and the
 device peak memory against ``non-block weights + 2 slots + activations``. ``--dp 2`` adds AllGather
-(NCCL on GPU, gloo on CPU) against resident at ``--dp-tokens``. A trace of one offloaded forward is
-drawn as a PNG timeline (compute / H2D / AllGather lanes).
+(NCCL on GPU, gloo on CPU) against resident at ``--dp-tokens``, in place and with landing buffers
+(``dlo_landing_buffers``) side by side, each with its device peak memory. A trace of one offloaded
+forward per variant is drawn as a PNG timeline (compute / H2D / AllGather lanes).
 
 GPU (defaults: Flux-sized, 16 blocks, hidden 3072, 24 heads, bf16, 1024/4096/16384 tokens):
     python benchmarks/bench_offload.py --dp 2
 CPU (small):
     python benchmarks/bench_offload.py --device cpu
-Writes benchmarks/results/offload_<tag>.json / .md / _timeline.png.
+Writes benchmarks/results/offload_<tag>.json / .md / _timeline.png (with --dp N also
+_timeline_dpN.png and _timeline_dpN_landing.png).
 """
 
 from __future__ import annotations
@@ -214,7 +216,14 @@ def _diffusers_model(base: SyntheticDiT, device: torch.device) -> tuple[Any, dic
 
 
 def _dp_rank(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
-    """One rank of the AllGather measurement (module level: spawned)."""
+    """One rank of the AllGather measurement (module level: spawned).
+
+    Times the resident forward, then AllGather in place and AllGather with landing buffers
+    (``dlo_landing_buffers``) side by side: both offloaded copies are enabled at once (each with its own
+    gather communicator) and timed interleaved per repeat, like the single-rank variants. Device peak
+    memory of each = its persistent bytes (non-block weights, slots, landing buffers) + one forward's
+    peak above that.
+    """
     device = torch.device(opts["device"])
     if device.type == "cuda":
         device = torch.device("cuda", rank)
@@ -227,10 +236,13 @@ def _dp_rank(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
     base = SyntheticDiT(cfg).to(dtype).eval().requires_grad_(False)
     x, t = _inputs(base, opts["tokens"], dtype, device)
     w, r = opts["warmup"], opts["repeats"]
+    before = _mem(device)
     resident = copy.deepcopy(base).to(device)
+    resident_persistent = _mem(device) - before
     with torch.no_grad():
         resident_ms = timed_ms(partial(resident, x, t), device, warmup=w, repeats=r)
         expected = resident(x, t)
+        activations = _forward_peak_delta(partial(resident, x, t), device)
     del resident
     gc.collect()
     if device.type == "cuda":
@@ -242,22 +254,55 @@ def _dp_rank(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
     dist.barrier()
     h2d_shard_ms = _h2d_ms(shard_bytes, device, warmup=w, repeats=max(r, 10))
     bound = max(1.0, cfg.num_blocks * h2d_shard_ms / resident_ms)
-    off = copy.deepcopy(base)
-    handle = enable_layerwise_offload(off, OffloadConfig(
-        enable_distributed_layerwise_offload=True, data_parallel_size=world, device=str(device),
-        trace=True, trace_capacity=4096))
+    non_block = _non_block_bytes(base)
+    variants = {"allgather": False, "landing": True}  # name -> dlo_landing_buffers
+    models, handles, persistent = {}, {}, {}
+    for name, landing in variants.items():
+        before = _mem(device)
+        models[name] = copy.deepcopy(base)
+        handles[name] = enable_layerwise_offload(models[name], OffloadConfig(
+            enable_distributed_layerwise_offload=True, data_parallel_size=world, device=str(device),
+            dlo_landing_buffers=landing, trace=True, trace_capacity=4096))
+        persistent[name] = _mem(device) - before  # non-block weights + 2 slots (+ 2 landing shards)
+    fns = {name: partial(m, x, t) for name, m in models.items()}
     with torch.no_grad():
-        ours_ms = timed_ms(partial(off, x, t), device, warmup=w, repeats=r)
-        handle.reset_trace()  # trace one steady-state forward
-        out = off(x, t)
-    spans = [s.__dict__ for s in handle.trace()] if rank == 0 else None
-    m = handle.metrics()
-    handle.disable()
-    return {"rank": rank, "resident_ms": resident_ms, "allgather_ms": ours_ms,
-            "ratio": ours_ms / resident_ms, "h2d_shard_ms_concurrent": h2d_shard_ms,
+        # Same order on every rank: each variant's collectives run on its own communicator, in order.
+        ms = _interleaved_ms(fns, device, warmup=w, repeats=r)
+        out: dict[str, dict[str, Any]] = {}
+        for name, handle in handles.items():
+            delta = _forward_peak_delta(fns[name], device)
+            handle.reset_trace()  # trace one steady-state forward
+            equal = bool(torch.equal(fns[name](), expected))
+            spans = [s.__dict__ for s in handle.trace()] if rank == 0 else None
+            m = handle.metrics()
+            out[name] = {
+                "ms": ms[name], "ratio": ms[name] / resident_ms,
+                "vs_bound": ms[name] / resident_ms / bound, "bitwise_equal": equal,
+                "host_bytes_ratio": m["host_bytes"] / m["block_bytes"], "metrics": m, "trace": spans,
+                "peak_bytes": None if delta is None else persistent[name] + delta,
+                "peak_budget_bytes": None if activations is None else (
+                    non_block + 2 * m["slot_bytes"]
+                    + m["num_landing_buffers_allocated"] * m["landing_bytes"] + activations),
+            }
+    for handle in handles.values():
+        handle.disable()
+    ag, ld = out["allgather"], out["landing"]
+    return {"rank": rank, "resident_ms": resident_ms,
+            "resident_peak_bytes": None if activations is None else resident_persistent + activations,
+            "activation_bytes": activations,
+            "h2d_shard_ms_concurrent": h2d_shard_ms,
             "h2d_shard_GBps_concurrent": shard_bytes / h2d_shard_ms / 1e6, "bound_ratio": bound,
-            "ours_vs_bound": ours_ms / resident_ms / bound, "bitwise_equal": bool(torch.equal(out, expected)),
-            "host_bytes_ratio": m["host_bytes"] / m["block_bytes"], "metrics": m, "trace": spans}
+            # AllGather in place (the keys earlier results used)
+            "allgather_ms": ag["ms"], "ratio": ag["ratio"], "ours_vs_bound": ag["vs_bound"],
+            "bitwise_equal": ag["bitwise_equal"], "host_bytes_ratio": ag["host_bytes_ratio"],
+            "allgather_peak_bytes": ag["peak_bytes"], "allgather_peak_budget_bytes": ag["peak_budget_bytes"],
+            "metrics": ag["metrics"], "trace": ag["trace"],
+            # AllGather + landing buffers
+            "landing_ms": ld["ms"], "landing_ratio": ld["ratio"], "landing_vs_bound": ld["vs_bound"],
+            "landing_bitwise_equal": ld["bitwise_equal"], "landing_host_bytes_ratio": ld["host_bytes_ratio"],
+            "landing_peak_bytes": ld["peak_bytes"], "landing_peak_budget_bytes": ld["peak_budget_bytes"],
+            "landing_metrics": ld["metrics"], "landing_trace": ld["trace"],
+            "landing_vs_allgather": ld["ms"] / ag["ms"]}
 
 
 def measure_dp(args: argparse.Namespace, device: torch.device) -> dict[str, Any] | None:
@@ -340,6 +385,11 @@ def draw_timelines(result: dict[str, Any], tag: str) -> list[str]:
         f"ours, AllGather dp={args['dp']}, rank 0, {args['dp_tokens']} tokens ({tag})",
     ):
         out.append(f"offload_{tag}_timeline_dp{args['dp']}.png")
+    if spans.get("dp_landing") and draw_timeline(
+        spans["dp_landing"], RESULTS / f"offload_{tag}_timeline_dp{args['dp']}_landing.png",
+        f"ours, AllGather + landing buffers dp={args['dp']}, rank 0, {args['dp_tokens']} tokens ({tag})",
+    ):
+        out.append(f"offload_{tag}_timeline_dp{args['dp']}_landing.png")
     return out
 
 
@@ -379,17 +429,40 @@ def write_report(result: dict[str, Any], tag: str) -> Path:
         )
     dp = result.get("dp")
     if dp and "ranks" in dp:
-        lines += ["", f"AllGather dp={dp['dp']} at {dp['tokens']} tokens:", "",
-                  "| rank | resident ms | AllGather ms | ratio | shard H2D ms (GB/s), all ranks at once | bound "
-                  "| ours/bound | host bytes / block bytes | bitwise equal |",
+        lines += ["", f"AllGather dp={dp['dp']} at {dp['tokens']} tokens (the two offloaded variants timed "
+                  "interleaved per repeat; device peak = persistent bytes + one forward's peak):", "",
+                  "| rank | variant | ms | / resident | / bound | device peak GB | budget GB | "
+                  "host bytes / block bytes | bitwise equal |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for r in dp["ranks"]:
-            lines.append(f"| {r['rank']} | {r['resident_ms']:.2f} | {r['allgather_ms']:.2f} | "
-                         f"{r['ratio']:.2f} | {r['h2d_shard_ms_concurrent']:.3f} "
+            lines.append(f"| {r['rank']} | resident | {r['resident_ms']:.2f} | 1.00 | - | "
+                         f"{_gb(r.get('resident_peak_bytes'))} | - | - | - |")
+            lines.append(f"| {r['rank']} | AllGather | {r['allgather_ms']:.2f} | {r['ratio']:.2f} | "
+                         f"{r['ours_vs_bound']:.2f} | {_gb(r.get('allgather_peak_bytes'))} | "
+                         f"{_gb(r.get('allgather_peak_budget_bytes'))} | {r['host_bytes_ratio']:.3f} | "
+                         f"{r['bitwise_equal']} |")
+            if "landing_ms" in r:
+                lines.append(
+                    f"| {r['rank']} | AllGather + landing buffers | {r['landing_ms']:.2f} | "
+                    f"{r['landing_ratio']:.2f} | {r['landing_vs_bound']:.2f} | "
+                    f"{_gb(r.get('landing_peak_bytes'))} | {_gb(r.get('landing_peak_budget_bytes'))} | "
+                    f"{r['landing_host_bytes_ratio']:.3f} | {r['landing_bitwise_equal']} |")
+        lines += ["", "| rank | shard H2D ms (GB/s), all ranks at once | bound | landing / AllGather | "
+                  "slot MB | landing buffer MB |", "|---|---|---|---|---|---|"]
+        for r in dp["ranks"]:
+            landed = "landing_ms" in r  # results written before the landing variant existed lack it
+            lines.append(f"| {r['rank']} | {r['h2d_shard_ms_concurrent']:.3f} "
                          f"({r['h2d_shard_GBps_concurrent']:.1f}) | {r['bound_ratio']:.2f} | "
-                         f"{r['ours_vs_bound']:.2f} | {r['host_bytes_ratio']:.3f} | {r['bitwise_equal']} |")
+                         + (f"{r['landing_vs_allgather']:.3f}" if landed else "-") + " | "
+                         f"{r['metrics']['slot_bytes'] / 1e6:.1f} | "
+                         + (f"{r['landing_metrics']['landing_bytes'] / 1e6:.1f}" if landed else "-")
+                         + " |")
         lines += ["", "AllGather bound = max(1, blocks x shard H2D / resident): each rank's PCIe copy of its "
-                  "1/dp shard with every rank copying at once is the part no overlap can hide."]
+                  "1/dp shard with every rank copying at once is the part no overlap can hide. In place, the "
+                  "shard H2D of block i+2 waits until compute of block i leaves the slot (critical cycle "
+                  "compute + H2D + gather per two blocks); landing buffers (`dlo_landing_buffers`, 2 x one "
+                  "shard of device memory, budget = non-block + 2 slots + 2 landing buffers + activations) "
+                  "let the copy run ahead and only the gather wait for the slot."]
     elif dp:
         lines += ["", f"AllGather: {dp.get('skipped')}"]
     for name in result.get("timelines", []):
@@ -455,15 +528,18 @@ def main(argv: list[str] | None = None) -> int:
     result["dp"] = measure_dp(args, device)
     if result["dp"] and "ranks" in result["dp"]:
         for r in result["dp"]["ranks"]:
-            print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v)
-                              for k, v in r.items() if k not in ("metrics", "trace")}), flush=True)
+            print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()
+                              if k not in ("metrics", "trace", "landing_metrics", "landing_trace")}),
+                  flush=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
     # Spans stay in the JSON so the PNGs can be redrawn where matplotlib exists (--replot).
-    result["timeline_spans"] = {"single": result["single"].pop("trace"), "dp": None}
+    result["timeline_spans"] = {"single": result["single"].pop("trace"), "dp": None, "dp_landing": None}
     if result["dp"] and "ranks" in result["dp"]:
         result["timeline_spans"]["dp"] = result["dp"]["ranks"][0].get("trace")
+        result["timeline_spans"]["dp_landing"] = result["dp"]["ranks"][0].get("landing_trace")
         for r in result["dp"]["ranks"]:
             r.pop("trace", None)
+            r.pop("landing_trace", None)
     timelines = draw_timelines(result, tag)
     result["timelines"] = timelines
     md = write_report(result, tag)
