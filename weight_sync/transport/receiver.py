@@ -40,7 +40,7 @@ from weight_sync.transport.config import VERIFY_MODES
 from weight_sync.transport.disk import DiskReader
 from weight_sync.transport.doorbell import Link, connect_doorbell
 from weight_sync.transport.group import Channel, Deadline, join_store, make_group, poll, warm_up
-from weight_sync.transport.layout import Bucket, BucketLayout, plan_buckets
+from weight_sync.transport.layout import Bucket, BucketLayout, LayoutCache, plan_buckets
 from weight_sync.transport.planes import BroadcastReceiverPlane, SharedReceiverPlane
 from weight_sync.transport.status import raise_agreed, status_of
 from weight_sync.transport.wire import (
@@ -129,6 +129,7 @@ class WeightReceiver:
         self._checks_host: torch.Tensor | None = None
         self._readback_event: Any = None
         self._ck: ChecksumWorkspace | None = None  # checksum intermediates, allocated on first use
+        self._layouts: LayoutCache | None = None  # bucket layouts by call, set at connect
         self._link: Link | None = None
         self._store: Any = None
         self._disk: DiskReader | None = None
@@ -162,6 +163,7 @@ class WeightReceiver:
                 f"{list(VERIFY_MODES)}"
             )
         self.params = params
+        self._layouts = LayoutCache(params.bucket_bytes, params.align_bytes)
         device = self.device
         if params.backend in ("nccl", "ipc"):
             if device.type != "cuda":
@@ -387,7 +389,10 @@ class WeightReceiver:
         if self._manifest is None or self._session is None:
             error = error or UpdateStateError(f"[rank {self.rank}] update_weights arrived without an open update")
         metas = self._manifest.tensors[header.first : header.first + header.count] if self._manifest else ()
-        layout = plan_buckets(metas, self.params.bucket_bytes, self.params.align_bytes)
+        if self._manifest is not None and self._layouts is not None:
+            layout = self._layouts.get(self._manifest.tensors, header.first, header.count)
+        else:
+            layout = plan_buckets(metas, self.params.bucket_bytes, self.params.align_bytes)
         if layout.num_buckets != header.num_buckets:
             msg = (f"[rank {self.rank}] update_weights: the sender cut tensors {header.first}..."
                    f"{header.first + header.count} into {header.num_buckets} buckets, this receiver into "

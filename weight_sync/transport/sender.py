@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
@@ -38,7 +38,7 @@ from weight_sync.transport.config import ALIGN_BYTES, TransportConfig
 from weight_sync.transport.disk import DiskWriter
 from weight_sync.transport.doorbell import DoorbellServer, Link
 from weight_sync.transport.group import Channel, host_store, make_group, warm_up
-from weight_sync.transport.layout import Bucket, BucketLayout, check_block_order, plan_buckets
+from weight_sync.transport.layout import Bucket, BucketLayout, LayoutCache, check_block_order
 from weight_sync.transport.planes import BroadcastSenderPlane, SharedSenderPlane
 from weight_sync.transport.status import raise_agreed, status_of
 from weight_sync.transport.wire import (
@@ -111,7 +111,7 @@ class WeightSender:
         self._t_start = 0.0
         self._transfer_s = 0.0
         self._num_buckets = 0
-        self._layouts: dict[tuple[int, int], BucketLayout] = {}
+        self._layouts = LayoutCache(config.bucket_bytes, ALIGN_BYTES)
         # (tensors as given, manifest as sent, update seq) of the last manifest every receiver accepted.
         self._agreed_manifest: tuple[Any, Manifest, int] | None = None
         self._channel: Channel | None = None
@@ -334,18 +334,28 @@ class WeightSender:
             self._pos += count
             self._transfer_s += time.perf_counter() - t0
             return sent
-        layout = self._layout(first, count)
+        assert self._manifest is not None
+        layout = self._layouts.get(self._manifest.tensors, first, count)
         self._call += 1
         assert self._channel is not None and self._plane is not None
         header = ControlHeader(kind="call", seq=self._seq, call=self._call, first=first, count=count,
                                num_buckets=layout.num_buckets)
-        self._channel.broadcast_bytes(header.to_json().encode(), "update_weights")
+        channel = self._channel
+
+        def announce() -> None:
+            channel.broadcast_bytes(header.to_json().encode(), "update_weights")
+
         if local_error is None:
             it = iter(named_tensors)
-            local_error = self._send_buckets(layout, it, first)
+            try:
+                local_error = self._send_buckets(layout, it, first, announce)
+            except BaseException:
+                _close_source(it, named_tensors)
+                raise
             if local_error is not None:
                 _close_source(it, named_tensors)
         else:
+            announce()
             _close_source(None, named_tensors)
         self._transfer_s += time.perf_counter() - t0
         self._num_buckets += layout.num_buckets
@@ -359,17 +369,15 @@ class WeightSender:
             raise
         return count
 
-    def _layout(self, first: int, count: int) -> BucketLayout:
-        assert self._manifest is not None
-        key = (first, count)
-        layout = self._layouts.get(key)
-        metas = self._manifest.tensors[first : first + count]
-        if layout is None or layout.metas != metas:
-            layout = plan_buckets(metas, self.config.bucket_bytes, ALIGN_BYTES)
-            self._layouts[key] = layout
-        return layout
+    def _send_buckets(
+        self, layout: BucketLayout, it: Iterator[tuple[str, Any]], first: int, announce: Callable[[], None]
+    ) -> BaseException | None:
+        """Pack and submit every bucket of the call; ``announce`` sends the call's header.
 
-    def _send_buckets(self, layout: BucketLayout, it: Iterator[tuple[str, Any]], first: int) -> BaseException | None:
+        The header goes out once the first bucket's packing is queued, not before: receivers post their
+        receives when it arrives, and the device packs bucket 0 while the header travels and they plan,
+        so the first broadcast starts without waiting for either.
+        """
         plane = self._plane
         assert plane is not None and self._channel is not None
         nb = len(self._buffers)
@@ -380,6 +388,8 @@ class WeightSender:
         error: BaseException | None = None
         peer_failed = False
         current: dict[int, torch.Tensor] = {}
+        if not layout.buckets:
+            announce()
         for k, bucket in enumerate(layout.buckets):
             i = k % nb
             # Buffer reuse: CUDA orders it on the device (the host only keeps a bounded lead); CPU and the
@@ -396,6 +406,8 @@ class WeightSender:
                 status = STATUS_ABORT
                 current.clear()
             self._write_trailer(bucket, self._buffers[i], k, status, heads)
+            if k == 0:
+                announce()
             plane.submit(k, i, sizes[k], status)
         peer_failed |= bool(plane.end_call())
         if self.shim.is_cuda and self._channel.broken is None:
