@@ -1,10 +1,19 @@
-"""The Triton fp8 kernel (CUDA) against the torch formulation it replaces: the same bits."""
+"""The Triton fp8 kernels (CUDA) against the torch formulation they replace: the same bits."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from tests.quant._fp8_cases import (
+    DTYPES,
+    SPECIAL_CONFIGS,
+    assert_same_bits,
+    random_weight,
+    special_weight,
+    torch_path,
+)
+from tests.quant._fp8_cases import SHAPES as SMALL_SHAPES
 from weight_sync.quant import fp8
 from weight_sync.quant.fp8 import Fp8Config, quantize_fp8
 
@@ -44,3 +53,63 @@ def test_the_triton_kernel_quantizes_a_weight_on_a_gpu_that_is_not_the_current_o
     ref_q, ref_s = quantize_fp8(w.to("cuda:0"), config)
     assert q.device == torch.device("cuda:1")
     assert torch.equal(q.view(torch.uint8).cpu(), ref_q.view(torch.uint8).cpu()) and torch.equal(s.cpu(), ref_s.cpu())
+
+
+def _fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Record each call of the fused kernel through ``quantize_fp8`` (so a test knows it ran)."""
+    calls: list[str] = []
+    fused = fp8.quantize_fp8_fused
+
+    def spy(w, granularity, *args):
+        calls.append(granularity)
+        return fused(w, granularity, *args)
+
+    monkeypatch.setattr(fp8, "quantize_fp8_fused", spy)
+    return calls
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("granularity,block", SPECIAL_CONFIGS)
+def test_the_fused_kernel_matches_the_torch_path_on_cuda_and_on_cpu(dtype, granularity, block, monkeypatch) -> None:
+    # The torch path on CUDA and on CPU must agree too: scales divide by 448 on both (not CUDA's
+    # multiply by a rounded 1/448), which is what the interpreter test checks the kernel against.
+    if not fp8.triton_available():
+        pytest.skip("Triton is not importable here")
+    config = Fp8Config(granularity=granularity, block_size=block)
+    calls = _fused_calls(monkeypatch)
+    weights = [random_weight(shape, dtype, seed, "cuda") for seed, shape in enumerate(SMALL_SHAPES)]
+    weights += [special_weight((200, 300), dtype, 7, "cuda"), special_weight((300, 520), dtype, 8, "cuda")]
+    weights += [special_weight((200, 700), dtype, 9, "cuda")[:, 100:400]]  # row stride != width
+    for i, w in enumerate(weights):
+        q, s = quantize_fp8(w, config)
+        assert_same_bits(q, s, *torch_path(w, config), (i, "cuda torch path"))
+        assert_same_bits(q, s, *torch_path(w.cpu(), config), (i, "cpu torch path"))
+    assert calls == [granularity] * len(weights)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(4096, 4096), (24576, 4096), (4096, 12288), (200, 20000)])
+@pytest.mark.parametrize("granularity", ["block", "channel"])
+def test_the_fused_kernel_matches_the_torch_path_on_qwen_sized_weights(shape, granularity, monkeypatch) -> None:
+    # (200, 20000) channel rows are longer than one 128x128 tile: the kernel's two-pass column loop.
+    if not fp8.triton_available():
+        pytest.skip("Triton is not importable here")
+    config = Fp8Config(granularity=granularity)
+    calls = _fused_calls(monkeypatch)
+    for w in (random_weight(shape, torch.bfloat16, 0, "cuda"), special_weight(shape, torch.bfloat16, 1, "cuda")):
+        q, s = quantize_fp8(w, config)
+        assert_same_bits(q, s, *torch_path(w, config), (shape, granularity))
+    assert calls == [granularity] * 2
+
+
+@pytest.mark.gpu
+def test_the_tensor_granularity_keeps_the_cast_kernel_and_agrees_across_devices() -> None:
+    if not fp8.triton_available():
+        pytest.skip("Triton is not importable here")
+    config = Fp8Config(granularity="tensor")
+    for dtype in DTYPES:
+        w_cpu = special_weight((200, 300), dtype, 3)
+        q, s = quantize_fp8(w_cpu.cuda(), config)
+        assert_same_bits(q, s, *torch_path(w_cpu.cuda(), config), dtype)
+        assert_same_bits(q, s, *torch_path(w_cpu, config), dtype)

@@ -12,7 +12,12 @@ from torch import nn
 
 from weight_sync.errors import ConfigError
 from weight_sync.quant.base import layer_tensor
-from weight_sync.quant.fp8_triton import scale_cast_fp8, triton_available
+from weight_sync.quant.fp8_triton import (
+    fused_supported,
+    quantize_fp8_fused,
+    scale_cast_fp8,
+    triton_available,
+)
 from weight_sync.quant.online import OnlineQuantLinearMethod, reduce_max
 
 __all__ = [
@@ -77,6 +82,16 @@ def _absmax(t: torch.Tensor, dim: int | tuple[int, ...] | None = None) -> torch.
     return torch.maximum(t.amax(dim=dim), -t.amin(dim=dim)).float()
 
 
+def _scale(absmax: torch.Tensor) -> torch.Tensor:
+    """fp32 scales ``clamp(absmax, 1e-12) / 448``, a correctly rounded division on every device.
+
+    ``t / 448.0`` is not one on CUDA: ATen computes a tensor divided by a CPU scalar as ``t * (1 / 448)``,
+    which differs from the division in the last bit for about half of all inputs. A 0-dim divisor on
+    ``t``'s device takes the ordinary division path, so CPU, CUDA and the Triton kernels agree.
+    """
+    return absmax.clamp(min=_EPS).div_(absmax.new_full((), FP8_MAX))
+
+
 def _scaled_rows(w: torch.Tensor, r0: int, scale: torch.Tensor, config: Fp8Config, out: torch.Tensor) -> None:
     """``out`` (fp32, the shape of ``w``) = rows ``r0..`` of the weight divided by their scales.
 
@@ -107,19 +122,24 @@ def quantize_fp8(
     The scales come from one pass over ``w``; the values are then scaled, clamped and cast in chunks of
     rows (whole tiles for 'block'), so the temporary memory is one 64 MB fp32 chunk, not an fp32 copy
     of the weight. Every element sees the same operations as an unchunked quantization: bitwise equal.
-    On CUDA with Triton the same arithmetic runs as one kernel (``fp8_triton``), bitwise equal again.
+    On CUDA with Triton the same arithmetic runs in Triton (``fp8_triton``), bitwise equal again (a NaN
+    may differ in sign, which torch itself leaves unspecified): 'block' and 'channel' as one kernel that
+    reads the weight once, 'tensor' as one cast kernel after the global scale.
     """
     if w.dim() != 2:
         raise ConfigError(f"fp8 quantization needs a 2-D weight, got shape {tuple(w.shape)}")
     n, k = w.shape
+    fast = w.is_cuda and w.stride(1) == 1 and w.numel() > 0 and triton_available()
+    if fast and fused_supported(config.granularity, config.block_size):
+        return quantize_fp8_fused(w, config.granularity, config.block_size, FP8_MAX, _EPS)
     if config.granularity == "tensor":
-        scale = reduce_max(_absmax(w).reshape(1), group).clamp(min=_EPS) / FP8_MAX
+        scale = _scale(reduce_max(_absmax(w).reshape(1), group))
     elif config.granularity == "channel":
-        scale = _absmax(w, 1).clamp(min=_EPS) / FP8_MAX
+        scale = _scale(_absmax(w, 1))
     else:
         # Tiles are views of (at most) one padded copy; one scale per tile.
-        scale = _absmax(_blocks(w, *config.block_size), (1, 3)).clamp(min=_EPS) / FP8_MAX
-    if w.is_cuda and w.stride(1) == 1 and triton_available():
+        scale = _scale(_absmax(_blocks(w, *config.block_size), (1, 3)))
+    if fast:
         return scale_cast_fp8(w, scale, config.granularity, config.block_size, FP8_MAX), scale.contiguous()
     step = config.block_size[0] if config.granularity == "block" else 1
     rows = max(step, _CHUNK_BYTES // (4 * max(k, 1)) // step * step)

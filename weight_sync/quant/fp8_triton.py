@@ -1,26 +1,44 @@
-"""The fp8 scale-clamp-cast pass as one Triton kernel on CUDA: read the weight once, write fp8 once.
+"""fp8 e4m3 quantization kernels in Triton: read the weight once, write fp8 once.
 
-The torch formulation needs an fp32 intermediate (divide, clamp, cast: three kernels and ~23 bytes of
-memory traffic per element); during a live update of a large fp8 engine that pass, not the wire, set
-the pace. The kernel does the same arithmetic per element - the weight widened to fp32, an IEEE
-round-to-nearest division by its fp32 scale, a NaN-propagating clamp to +-448, a round-to-nearest-even
-cast to e4m3 - so its output is bitwise equal to the torch path (checked by a GPU test). Triton is
-imported only when a CUDA weight is quantized, so ``import weight_sync`` never loads it.
+The torch formulation needs an fp32 intermediate and separate reductions for the scales (amax, amin,
+divide, clamp, cast: ~23 bytes of memory traffic per element plus two strided reads for the scales);
+during a live update of a large fp8 engine that pass, not the wire, set the pace. Two kernels:
+
+- ``quantize_fp8_fused`` ('block' and 'channel'): each program owns whole scale groups (one tile, or
+  a band of rows), loads them once, computes their absmax and scale in registers, writes the scale and
+  then the fp8 values.
+- ``scale_cast_fp8`` ('tensor', whose global scale needs a reduction first, possibly over a TP group):
+  the scale-clamp-cast pass alone.
+
+Both do the torch path's arithmetic per element - the weight widened to fp32, an IEEE round-to-nearest
+division by the fp32 scale, a NaN-propagating clamp to +-448, a round-to-nearest-even cast to e4m3 - so
+their output is bitwise equal to it (GPU tests; the fused kernel also under Triton's CPU interpreter).
+Triton is imported only when a kernel is first needed, so ``import weight_sync`` never loads it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import struct
 from typing import Any
 
 import torch
 
-__all__ = ["scale_cast_fp8", "triton_available"]
+__all__ = ["fused_supported", "quantize_fp8_fused", "scale_cast_fp8", "triton_available"]
+
+# Elements per program and loop step: a 128x128 tile. At 8 warps ptxas (sm_90a) gives the aligned bf16
+# and fp32 kernels ~90 registers, no spills: two programs per SM. No FMA contraction (enable_fp_fusion):
+# every float operation must round like torch's.
+_TILE = 128 * 128
+# Row band and column step of 'channel' rows too long for one tile: read twice (the second time
+# mostly from L2), still one HBM pass.
+_LONG_ROWS, _LONG_STEP = 4, 4096
 
 
 @functools.cache
 def triton_available() -> bool:
-    """Whether the kernel can run here (Triton importable and a CUDA device present)."""
+    """Whether the kernels can run here (Triton importable and a CUDA device present)."""
     try:
         import triton
         import triton.language  # noqa: F401
@@ -29,8 +47,26 @@ def triton_available() -> bool:
     return torch.cuda.is_available()
 
 
+def _launch_device(w: torch.Tensor) -> contextlib.AbstractContextManager[Any]:
+    """The context to launch a kernel on ``w`` in."""
+    # Triton launches on the *current* device (and its current stream): a weight on another GPU than the
+    # current one (an engine on cuda:1 built from a process whose current device is cuda:0) must switch.
+    # A CPU tensor only reaches a kernel under TRITON_INTERPRET=1 (the CPU tests).
+    return torch.cuda.device(w.device) if w.is_cuda else contextlib.nullcontext()
+
+
+def _f32_bits(x: float) -> int:
+    """The int32 bits of ``x`` rounded to fp32 (to nearest), as torch rounds the scalar of an fp32 clamp."""
+    return int(struct.unpack("<i", struct.pack("<f", x))[0])
+
+
+def _pow2(x: int) -> int:
+    """The smallest power of two >= ``x`` (Triton block shapes are powers of two)."""
+    return 1 << max(x - 1, 0).bit_length()
+
+
 @functools.cache
-def _kernel() -> Any:
+def _kernels() -> tuple[Any, Any]:
     import triton
     import triton.language as tl
 
@@ -47,12 +83,101 @@ def _kernel() -> Any:
         q = x.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
         tl.store(q_ptr + rows[:, None].to(tl.int64) * stride_q + cols[None, :], q, mask=mask)
 
-    return scale_cast
+    @triton.jit
+    def fused(w_ptr, q_ptr, s_ptr, n, k, stride_w, stride_q, group_rows, group_cols, col_groups, chunks,
+              eps_bits, fmax, BM: tl.constexpr, BK: tl.constexpr, PER_ROW: tl.constexpr, ONE_PASS: tl.constexpr):
+        # Program pid owns scale group (pid // col_groups, pid % col_groups): group_rows x group_cols
+        # elements, read in `chunks` column steps of BK (ONE_PASS: one step, kept in registers). A 1-D
+        # grid: no 65535 limit on either axis. (No helper functions: the interpreter cannot call jitted
+        # closures.) Masked lanes - past the group, past the weight - read 0: the torch path's padding.
+        # Absmax and clamp(min=eps) as int32 bits: those of a non-negative float order like the float, and
+        # a NaN (sign cleared) sorts above inf, so integer maxima propagate NaN like torch's amax and clamp
+        # - with no float comparison a compiler could turn into a NaN-dropping max.
+        pid = tl.program_id(0)
+        local = tl.arange(0, BM)
+        rows = (pid // col_groups) * group_rows + local
+        row_ok = (local < group_rows) & (rows < n)
+        col0 = (pid % col_groups) * group_cols
+        w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_w + col0
+        q_rows = q_ptr + rows[:, None].to(tl.int64) * stride_q + col0
+        if ONE_PASS:
+            cols = tl.arange(0, BK)
+            mask = row_ok[:, None] & ((cols < group_cols) & (col0 + cols < k))[None, :]
+            x = tl.load(w_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            bits = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
+        else:
+            bits = tl.zeros([BM], dtype=tl.int32)
+            for c in range(chunks):
+                cols = c * BK + tl.arange(0, BK)
+                mask = row_ok[:, None] & ((cols < group_cols) & (col0 + cols < k))[None, :]
+                x = tl.load(w_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                bits = tl.maximum(bits, tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1))
+        if not PER_ROW:
+            bits = tl.max(bits, axis=0)
+        s = tl.math.div_rn(tl.maximum(bits, eps_bits).to(tl.float32, bitcast=True), fmax)
+        if PER_ROW:
+            tl.store(s_ptr + rows, s, mask=row_ok)
+            s = s[:, None]
+        else:
+            tl.store(s_ptr + pid, s)
+        if ONE_PASS:  # from registers: the one read of the weight
+            x = tl.clamp(tl.math.div_rn(x, s), -fmax, fmax, propagate_nan=tl.PropagateNan.ALL)
+            tl.store(q_rows + cols[None, :], x.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+        else:
+            for c in range(chunks):
+                cols = c * BK + tl.arange(0, BK)
+                mask = row_ok[:, None] & ((cols < group_cols) & (col0 + cols < k))[None, :]
+                x = tl.load(w_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                x = tl.clamp(tl.math.div_rn(x, s), -fmax, fmax, propagate_nan=tl.PropagateNan.ALL)
+                tl.store(q_rows + cols[None, :], x.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
+                         mask=mask)
+
+    return scale_cast, fused
+
+
+def fused_supported(granularity: str, block_size: tuple[int, int]) -> bool:
+    """Whether :func:`quantize_fp8_fused` handles this granularity (tiles up to ``_TILE`` rows tall)."""
+    return granularity == "channel" or (granularity == "block" and _pow2(block_size[0]) <= _TILE)
+
+
+def quantize_fp8_fused(w: torch.Tensor, granularity: str, block_size: tuple[int, int], fmax: float,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 e4m3 weight and fp32 scales of a non-empty 2-D weight with unit column stride, one kernel.
+
+    'block': scales [row tiles, column tiles]; 'channel': one per row. The scale of a group is
+    ``clamp(absmax, eps) / fmax``; NaN anywhere in a group makes its scale and values NaN, as in torch.
+    Allocates only the two outputs. CUDA, or CPU tensors under ``TRITON_INTERPRET=1``.
+    """
+    if not fused_supported(granularity, block_size) or w.dim() != 2 or w.stride(1) != 1 or w.numel() == 0:
+        raise ValueError(f"fused fp8 needs a non-empty 2-D weight with unit column stride and a supported "
+                         f"granularity, got {granularity!r} {block_size} {tuple(w.shape)} {w.stride()}")
+    n, k = w.shape
+    if granularity == "channel":  # a group is a band of bm rows, each with its own scale
+        per_row, group_cols, col_groups = True, k, 1
+        if _pow2(k) <= _TILE:
+            bk, bm = _pow2(k), min(_TILE // _pow2(k), _pow2(n))
+        else:
+            bk, bm = _LONG_STEP, _LONG_ROWS
+        group_rows = bm
+        scale = torch.empty(n, dtype=torch.float32, device=w.device)
+    else:
+        per_row, (group_rows, group_cols) = False, block_size
+        bm, col_groups = _pow2(group_rows), -(-k // group_cols)
+        bk = min(_pow2(group_cols), _TILE // bm)
+        scale = torch.empty((-(-n // group_rows), col_groups), dtype=torch.float32, device=w.device)
+    q = torch.empty((n, k), dtype=torch.float8_e4m3fn, device=w.device)
+    chunks = -(-group_cols // bk)
+    grid = (-(-n // group_rows) * col_groups,)
+    with _launch_device(w):
+        _kernels()[1][grid](w, q, scale, n, k, w.stride(0), q.stride(0), group_rows, group_cols, col_groups,
+                            chunks, _f32_bits(eps), fmax, BM=bm, BK=bk, PER_ROW=per_row, ONE_PASS=chunks == 1,
+                            num_warps=8 if bm * bk >= _TILE // 2 else 4, enable_fp_fusion=False)
+    return q, scale
 
 
 def scale_cast_fp8(w: torch.Tensor, scale: torch.Tensor, granularity: str, block_size: tuple[int, int],
                    fmax: float) -> torch.Tensor:
-    """fp8 e4m3 ``clamp(w / scale, -fmax, fmax)`` for a 2-D CUDA weight with unit column stride.
+    """fp8 e4m3 ``clamp(w / scale, -fmax, fmax)`` for a 2-D weight with unit column stride.
 
     ``scale`` is fp32: one element ('tensor'), one per row ('channel') or [row tiles, column tiles]
     ('block').
@@ -69,9 +194,7 @@ def scale_cast_fp8(w: torch.Tensor, scale: torch.Tensor, granularity: str, block
     else:
         (bn, bk), s_row, s_col = block_size, s.stride(0), s.stride(1)
     grid = (-(-n // 32), -(-k // 128))
-    # Triton launches on the *current* device (and its current stream): a weight on another GPU than the
-    # current one (an engine on cuda:1 built from a process whose current device is cuda:0) must switch.
-    with torch.cuda.device(w.device):
-        _kernel()[grid](w, q, s, n, k, w.stride(0), q.stride(0), s_row, s_col, bn, bk, fmax,
-                        BLOCK_M=32, BLOCK_N=128)
+    with _launch_device(w):
+        _kernels()[0][grid](w, q, s, n, k, w.stride(0), q.stride(0), s_row, s_col, bn, bk, fmax,
+                            BLOCK_M=32, BLOCK_N=128, enable_fp_fusion=False)
     return q

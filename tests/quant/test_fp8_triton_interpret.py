@@ -1,0 +1,143 @@
+"""The fused Triton fp8 kernel under Triton's CPU interpreter against the torch path: the same bits.
+
+``TRITON_INTERPRET=1`` must be set before a kernel is decorated, and the decorated kernels are cached
+per process, so the kernels run in one child process for all cases; each test then compares one case
+with the torch path here. The GPU tests (test_fp8_gpu.py) run the same cases compiled.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.quant._fp8_cases import (
+    CONFIGS,
+    DTYPES,
+    SHAPES,
+    SPECIAL_CONFIGS,
+    assert_same_bits,
+    random_weight,
+    special_weight,
+)
+from weight_sync.quant.fp8 import Fp8Config, quantize_fp8
+from weight_sync.quant.fp8_triton import quantize_fp8_fused
+
+needs_triton = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="Triton is not installed: no interpreter to run the kernels"
+)
+
+# The interpreter's own fp32 -> fp8 conversion is not the GPU's: it rounds half-up on a single bit
+# (no ties-to-even, no sticky bits) and maps NaN to a finite value. GPUs convert with
+# cvt.rn.satfinite (round to nearest even), as does torch's CPU cast, so the child swaps in torch's,
+# after checking that the kernel asks for round-to-nearest-even.
+_CHILD = r"""
+import os, sys
+assert os.environ.get("TRITON_INTERPRET") == "1"
+import numpy as np, torch
+import triton.language as tl
+from triton.runtime import interpreter
+from weight_sync.quant.fp8 import _EPS, FP8_MAX
+from weight_sync.quant.fp8_triton import quantize_fp8_fused, scale_cast_fp8
+
+convert = interpreter.InterpreterBuilder.create_fp_to_fp
+def create_fp_to_fp(self, src, dst_type, rounding_mode):
+    if src.dtype == tl.float32 and dst_type.scalar == tl.float8e4nv:
+        assert rounding_mode == interpreter._ir.ROUNDING_MODE.RTNE, rounding_mode
+        data = torch.from_numpy(src.data).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+        return interpreter.TensorHandle(data, dst_type.scalar)
+    return convert(self, src, dst_type, rounding_mode)
+interpreter.InterpreterBuilder.create_fp_to_fp = create_fp_to_fp
+np.seterr(invalid="ignore", divide="ignore")  # inf / inf and NaN lanes: expected
+
+out = {}
+for name, c in torch.load(sys.argv[1]).items():
+    w = c["w"]
+    if c["granularity"] == "tensor":
+        q, s = scale_cast_fp8(w, c["scale"], "tensor", c["block"], FP8_MAX), c["scale"]
+    else:
+        q, s = quantize_fp8_fused(w, c["granularity"], c["block"], FP8_MAX, _EPS)
+    out[name] = {"q": q, "scale": s, "stride": w.stride()}
+torch.save(out, sys.argv[2])
+"""
+
+
+def _cases() -> dict[str, dict[str, Any]]:
+    cases: dict[str, dict[str, Any]] = {}
+    seed = 0
+    for dtype in DTYPES:
+        dt = str(dtype).removeprefix("torch.")
+        for granularity, block in CONFIGS:
+            for shape in SHAPES:
+                seed += 1
+                cases[f"{granularity}{block}-{dt}-{shape}"] = {
+                    "w": random_weight(shape, dtype, seed), "granularity": granularity, "block": block}
+        for granularity, block in [*SPECIAL_CONFIGS, ("tensor", (128, 128))]:
+            seed += 1
+            cases[f"special-{granularity}{block}-{dt}"] = {
+                "w": special_weight((200, 300), dtype, seed), "granularity": granularity, "block": block}
+    # Rows longer than one 128x128 tile: per-channel scales over a column loop (two reads).
+    long = random_weight((5, 20000), torch.bfloat16, 100)
+    long[1, 7777], long[2, 19999], long[3, 5] = float("nan"), float("inf"), -0.0
+    cases["channel-long-rows"] = {"w": long, "granularity": "channel", "block": (128, 128)}
+    # A row stride that is not the width: a column slice of a wider weight.
+    for granularity in ("block", "channel"):
+        wide = special_weight((200, 700), torch.bfloat16, 101)
+        cases[f"strided-{granularity}"] = {"w": wide[:, 100:400], "granularity": granularity, "block": (128, 128)}
+    for c in cases.values():
+        if c["granularity"] == "tensor":
+            c["scale"] = quantize_fp8(c["w"], Fp8Config(granularity="tensor"))[1]
+    return cases
+
+
+CASES = _cases()
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    tmp: Path = tmp_path_factory.mktemp("fp8_interpret")
+    torch.save(CASES, tmp / "in.pt")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", _CHILD, str(tmp / "in.pt"), str(tmp / "out.pt")],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-4000:]
+    result: dict[str, dict[str, Any]] = torch.load(tmp / "out.pt")
+    return result
+
+
+@needs_triton
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_interpreted_kernel_quantizes_bitwise_like_the_torch_path(name: str, interpreted) -> None:
+    case, got = CASES[name], interpreted[name]
+    assert got["stride"] == case["w"].stride()
+    ref_q, ref_s = quantize_fp8(case["w"], Fp8Config(granularity=case["granularity"], block_size=case["block"]))
+    assert_same_bits(got["q"], got["scale"], ref_q, ref_s, name)
+
+
+def test_the_fused_kernel_refuses_what_it_does_not_handle() -> None:
+    w = torch.ones(4, 4)
+    for args in ((w, "tensor", (128, 128)), (w, "block", (1 << 15, 1)), (w.t()[:, :2], "block", (128, 128)),
+                 (w[:0], "channel", (128, 128)), (w[0], "channel", (128, 128))):
+        with pytest.raises(ValueError, match="fused fp8 needs"):
+            quantize_fp8_fused(*args, fmax=448.0, eps=1e-12)
+
+
+def test_importing_weight_sync_and_quantizing_on_cpu_never_imports_triton() -> None:
+    code = (
+        "import sys, torch\n"
+        "import weight_sync\n"
+        "from weight_sync.quant import Fp8Config, quantize_fp8\n"
+        "for g in ('tensor', 'channel', 'block'):\n"
+        "    quantize_fp8(torch.randn(130, 70), Fp8Config(granularity=g))\n"
+        "assert 'triton' not in sys.modules, 'triton imported'\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert out.stdout.strip() == "ok"
