@@ -117,10 +117,16 @@ def build_gather_group(config: OffloadConfig, device: torch.device) -> GatherGro
             f"tensor_parallel_size={config.tensor_parallel_size} = {config.world_size} ranks, "
             f"but the default process group has {world}"
         )
+    options = None
+    if "nccl" in str(dist.get_backend()).lower():
+        # The gather runs next to compute kernels that fill every SM; on a normal-priority stream its
+        # kernel waits for their blocks to drain. A high-priority stream gets the next free SMs first.
+        options = dist.ProcessGroupNCCL.Options()
+        options.is_high_priority_stream = True
     mine = None
     for ranks in gather_group_ranks(config):
         # new_group is collective over the default group: every rank creates every group, in order.
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, pg_options=options)
         if global_rank in ranks:
             mine = (group, ranks)
     assert mine is not None  # every rank is in exactly one group by construction
