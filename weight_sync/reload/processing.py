@@ -1,7 +1,8 @@
 """Processed layers of an update: staging while keys arrive, processing, copy-back into the kernel tensors.
 
 A processed layer (online quantization, repacking) gets model-format staging when its first key arrives
-(or, for a read-only processor and a single whole key, borrows the caller's tensor); when its last key
+(or, for a read-only processor, borrows the caller's memory where it already is that staging: see
+:mod:`weight_sync.reload.borrow`); when its last key
 arrives the processor runs, the resulting kernel tensors are copied into the kernel tensors that existed
 before, and those objects (and addresses) are reinstalled. Staging buffers are pooled by layout and
 reused only when nothing else references them. ``ProcessedLayers`` holds these steps for
@@ -13,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -24,6 +25,9 @@ from weight_sync.layers.tensors import graph_visible_tensors
 from weight_sync.reload.plan import Plan
 from weight_sync.reload.state import LayerInfo, ModelState
 from weight_sync.reload.validation import fmt_layout
+
+if TYPE_CHECKING:
+    from weight_sync.reload.borrow import Lend
 
 __all__ = ["OpenLayer", "ProcessedLayers", "sole_owner", "storage_use_count", "storage_uses"]
 
@@ -45,6 +49,10 @@ class OpenLayer:
     spilled: bool
     # Raw staging buffers (and their pool keys), handed back for reuse once the layer is processed.
     raw: dict[str, tuple[tuple, torch.Tensor]] = field(default_factory=dict)
+    # Borrowed staging: record name -> (the caller's tensor it starts at, that storage's use count before
+    # the layer referenced it), and the caller's tensor of every key (to process again from a copy).
+    lent: dict[str, tuple[torch.Tensor, int]] = field(default_factory=dict)
+    sources: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class ProcessedLayers:
@@ -71,6 +79,7 @@ class ProcessedLayers:
     _warned: bool
     _seconds: dict[str, float]
     _host: torch.device
+    _lenders: set[str]
 
     def _snapshot(self, info: LayerInfo, tensors: dict[str, torch.Tensor] | None = None) -> None:
         """Host copies of the layer's live tensors (or of ``tensors``), taken before their first write."""
@@ -85,16 +94,20 @@ class ProcessedLayers:
                 snaps.append((t, host))
         self._snapshots[info.name] = snaps
 
-    def _open_processed(self, info: LayerInfo, borrow: tuple[str, torch.Tensor] | None = None) -> None:
+    def _open_processed(self, info: LayerInfo, lend: Lend | None = None) -> None:
         """Install model-format staging on a processed layer, keeping its kernel objects for later.
 
-        ``borrow`` (tensor name, the caller's tensor) is used as that tensor's staging as it is: it is
-        never zero-filled and never goes to the buffer pool.
+        ``lend`` names tensors whose staging is a view of the caller's memory (starting at the given
+        tensor): never zero-filled, never pooled, not counted against the budget.
         """
         mod = info.module
         nbytes = info.model_format_bytes
-        if borrow is not None:
-            nbytes -= info.records[borrow[0]].nbytes  # the caller's memory, not staging
+        lent: dict[str, tuple[torch.Tensor, int]] = {}
+        if lend is not None:
+            for name, anchor in lend.anchors.items():
+                # Counted before any view of ours exists: more uses after processing mean a reference kept.
+                lent[name] = (anchor, storage_uses(anchor))
+                nbytes -= info.records[name].nbytes  # the caller's memory, not staging
         spill = self._buffered + nbytes > self.budget_bytes
         if self._open and not self._warned:
             self._warned = True
@@ -114,8 +127,9 @@ class ProcessedLayers:
         raw: dict[str, tuple[tuple, torch.Tensor]] = {}
         staging: dict[str, torch.Tensor] = {}
         for name, rec in info.records.items():
-            if borrow is not None and name == borrow[0]:
-                staging[name] = rematerialize(rec, where, data=borrow[1])
+            if name in lent:
+                view = lent[name][0].as_strided(rec.shape, rec.stride)
+                staging[name] = rematerialize(rec, where, data=view)
                 continue
             key = (rec.shape, rec.stride, rec.dtype, where, pin)
             data = self._reusable(key)
@@ -145,6 +159,8 @@ class ProcessedLayers:
             nbytes=nbytes,
             spilled=spill,
             raw=raw,
+            lent=lent,
+            sources=lend.sources if lend is not None else {},
         )
         # Back to model format: flags a processor set (e.g. "already processed") must not survive,
         # or the processor would skip the new weights.

@@ -6,7 +6,8 @@ post-update hooks, verifies that no graph-visible tensor moved, and returns an :
 
 Two paths per layer. *Direct* layers (kernel format == model format) get their slices copied straight into
 live storage. *Processed* layers (online quantization, repacking) get zero-filled model-format staging
-tensors when their first key arrives; when their last expected key arrives they are processed and the
+tensors when their first key arrives (or borrow the caller's memory where it already is that staging,
+see :mod:`weight_sync.reload.borrow`); when their last expected key arrives they are processed and the
 resulting kernel tensors are copied into the kernel tensors that existed before, whose objects (and
 addresses) are then reinstalled. Staging of pending layers on the model's device is capped by the budget;
 beyond it staging goes to host memory (pinned on CUDA) and moves back only to be processed.
@@ -36,13 +37,9 @@ from weight_sync.errors import (
 )
 from weight_sync.layers.tensors import signatures, verify_signatures
 from weight_sync.manifest import Manifest, TensorMeta
+from weight_sync.reload.borrow import Lend, lend_batch, lend_single, lenders
 from weight_sync.reload.plan import CopyOp, KeyPlan, Plan
-from weight_sync.reload.processing import (
-    OpenLayer,
-    ProcessedLayers,
-    storage_use_count,
-    storage_uses,
-)
+from weight_sync.reload.processing import OpenLayer, ProcessedLayers, storage_uses
 from weight_sync.reload.report import UpdateReport, fingerprint
 from weight_sync.reload.state import LayerInfo, ModelState, model_load_weights
 from weight_sync.reload.validation import (
@@ -118,6 +115,11 @@ class UpdateSession(ProcessedLayers):
         self._seconds = {"plan": 0.0, "load": 0.0, "process": 0.0, "copy_back": 0.0}
         self._t0 = t0
         self._host = torch.device("cpu")
+        # Layers that may borrow (computed at the first list or tuple passed to load), and the borrowing
+        # decided for the current load call, by layer.
+        self._lenders: set[str] = set()
+        self._lenders_known = False
+        self._lend: dict[str, Lend] = {}
         self.expected: frozenset[str] | None
         self._announced: dict[str, tuple[torch.Size, torch.dtype]] | None
         if manifest is not None:
@@ -158,6 +160,13 @@ class UpdateSession(ProcessedLayers):
         torch._C._set_grad_enabled(False)
         try:
             t0 = time.perf_counter()
+            # A list or tuple can be looked at as a whole before loading (a generator is not
+            # materialized: it could hold a whole model): find layers it can lend its memory to.
+            if type(named_tensors) in (list, tuple):
+                if not self._lenders_known:
+                    self._lenders, self._lenders_known = lenders(self), True
+                if self._lenders:
+                    self._lend = lend_batch(self, named_tensors)  # type: ignore[arg-type]
             for name, tensor in named_tensors:
                 self._load_one(name, tensor)
             self._seconds["load"] += time.perf_counter() - t0
@@ -165,6 +174,8 @@ class UpdateSession(ProcessedLayers):
             self._fail(e)
             raise
         finally:
+            if self._lend:
+                self._lend = {}
             torch._C._set_grad_enabled(grad)
 
     def _key_plan(self, name: str, tensor: torch.Tensor) -> KeyPlan:
@@ -227,30 +238,15 @@ class UpdateSession(ProcessedLayers):
         if kp.mode == "ignored":
             self._ignored.append(name)
             return
-        borrowed = self._borrowable(name, tensor, kp)
-        if borrowed is not None:
-            uses = storage_uses(tensor)
-            self._open_processed(borrowed, borrow=(kp.ops[0].tensor, tensor.detach()))
+        if len(kp.ops) == 1 and kp.ops[0].layer not in self._lend:
+            single = lend_single(self, name, tensor, kp)
+            if single is not None:
+                self._lend[kp.ops[0].layer] = single
         for layer in kp.layers:
             self._prepare(layer)
         if kp.mode == "copy":
-            src = tensor
-            if not src.is_contiguous() and not all(op.src_whole for op in kp.ops):
-                src = src.contiguous()
-            direct = borrowed is None  # (a borrowing key has processed layers: nothing to cache)
-            views = []
-            for op in kp.ops if borrowed is None else ():  # a borrowed tensor is the staging itself
-                base, staged = self._target(op)
-                direct = direct and not staged
-                if op.dst_offset == 0 and base.shape == op.dst_size and base.stride() == op.dst_stride:
-                    dst = base
-                else:
-                    dst = base.as_strided(
-                        op.dst_size, op.dst_stride, base.storage_offset() + op.dst_offset
-                    )
-                dst.copy_(src if op.src_whole else _src_view(op, src))
-                views.append((dst, op))
-            if direct and src is tensor:
+            views, direct = self._replay(kp, tensor)
+            if direct:
                 self._views[name] = (kp, views)
             self._replayed += 1
         else:
@@ -262,68 +258,77 @@ class UpdateSession(ProcessedLayers):
                 ol.remaining.discard(name)
                 if not ol.remaining and self.expected is not None:
                     self._complete(ol)
-        if borrowed is not None and storage_uses(tensor) > uses:
-            # The processor kept a reference to the caller's tensor (kernel state wrapping its input):
-            # the engine must never serve from memory the caller may overwrite. Process the layer once
-            # more from a private copy, whose kernel state replaces this one, and never borrow again.
-            log.warning(
-                "processing %s kept a reference to its input; it is processed again from a copy and its "
-                "inputs are copied from now on", borrowed.name,
-            )
-            borrowed.reads_input = False
-            self._touched.discard(borrowed.name)
-            self._processed_done.remove(borrowed.name)
-            self._replayed -= 1
-            self._load_general(name, tensor, kp)
+                    if ol.lent:
+                        self._check_lent(ol)
 
-    def _borrowable(self, name: str, tensor: torch.Tensor, kp: KeyPlan) -> LayerInfo | None:
-        """The layer whose staging for ``name`` can be ``tensor`` itself rather than a copy, if any.
+    def _replay(self, kp: KeyPlan, tensor: torch.Tensor, layer: str | None = None) -> tuple[list, bool]:
+        """Replay the key's copies (only those into ``layer`` if given), skipping borrowed staging (the
+        caller's tensor already is it); returns (destination views, whether they may be cached)."""
+        src = tensor
+        if not src.is_contiguous() and not all(op.src_whole for op in kp.ops):
+            src = src.contiguous()
+        direct = src is tensor  # only views of live tensors, replayed from the caller's tensor as it is
+        views = []
+        for op in kp.ops:
+            if layer is not None and op.layer != layer:
+                continue
+            base, staged = self._target(op)
+            direct = direct and not staged
+            if base is None:
+                continue
+            if op.dst_offset == 0 and base.shape == op.dst_size and base.stride() == op.dst_stride:
+                dst = base
+            else:
+                dst = base.as_strided(op.dst_size, op.dst_stride, base.storage_offset() + op.dst_offset)
+            dst.copy_(src if op.src_whole else _src_view(op, src))
+            views.append((dst, op))
+        return views, direct
 
-        That is a processed layer whose processor only reads its input (``LayerInfo.reads_input``),
-        whose only key this is and which it fills whole with the same layout, so the layer is processed
-        (and every reference to the tensor released) before ``load`` returns and the caller may reuse
-        it. Only on reloads (a first processing makes its outputs, possibly the input itself, the kernel
-        tensors) and with completion by expected keys.
+    def _check_lent(self, ol: OpenLayer) -> None:
+        """After processing from borrowed memory: if the processor kept a reference to it (kernel state
+        wrapping its input), process the layer again from a private copy and never borrow for it again.
+
+        No other borrowing layer was open meanwhile (see ``lend_batch``), so any growth of the use count
+        of the caller's storage since the layer opened is a reference this processing kept.
         """
-        if len(kp.ops) != 1 or self.expected is None or storage_use_count is None:
-            return None
-        op = kp.ops[0]
-        info = self.state.layers[op.layer]
-        if (
-            not info.reads_input
-            or not info.processed
-            or info.direct
-            or not op.src_whole
-            or op.dst_offset != 0
-            or op.layer in self._open
-            or op.layer in self._touched
-            or self.plan.layer_keys.get(op.layer) != {name}
-            or self._buffered + info.model_format_bytes > self.budget_bytes  # would be staged on host
-        ):
-            return None
-        rec = info.records.get(op.tensor)
-        if (
-            rec is None
-            or op.dst_size != rec.shape
-            or op.dst_stride != rec.stride
-            or tensor.dtype != rec.dtype
-            or tensor.stride() != rec.stride
-            or tensor.device != self.device
-            or type(tensor) not in (torch.Tensor, nn.Parameter)  # no subclass with its own storage rules
-        ):
-            return None
-        return info
+        kept = any(storage_uses(anchor) > uses for anchor, uses in ol.lent.values())
+        ol.lent.clear()
+        sources, ol.sources = ol.sources, {}
+        if not kept:
+            return
+        info = ol.info
+        log.warning(
+            "processing %s kept a reference to its input; it is processed again from a copy and its "
+            "inputs are copied from now on", info.name,
+        )
+        info.reads_input = False
+        self._lenders.discard(info.name)
+        self._touched.discard(info.name)
+        self._processed_done.remove(info.name)
+        attrs = len(self._attr_snapshots)
+        self._open_processed(info)
+        for name, tensor in sources.items():
+            self._replay(self.plan.keys[name], tensor, info.name)
+        self._complete(self._open[info.name])
+        # The snapshot taken by the first processing holds the attributes from before the update; this
+        # one would hold the reference into the caller's memory.
+        del self._attr_snapshots[attrs:]
 
-    def _target(self, op: CopyOp) -> tuple[torch.Tensor, bool]:
+    def _target(self, op: CopyOp) -> tuple[torch.Tensor | None, bool]:
         """Where ``op`` writes: (a plain tensor on the destination's storage, whether it is staging).
 
         Staging is written through its raw buffer and live tensors through a detached alias: neither
         carries a Parameter subclass, so copies into them skip Python ``__torch_function__`` handlers
-        (vLLM's parameters define one) and autograd view tracking.
+        (vLLM's parameters define one) and autograd view tracking. Borrowed staging has no raw buffer:
+        None, nothing to write.
         """
         ol = self._open.get(op.layer)
         if ol is not None:
-            return ol.raw[op.tensor][1], True
+            raw = ol.raw.get(op.tensor)
+            if raw is None:
+                assert op.tensor in ol.lent
+                return None, True
+            return raw[1], True
         mod = self.state.layers[op.layer].module
         t: torch.Tensor | None = mod._parameters.get(op.tensor)
         if t is None:
@@ -340,7 +345,7 @@ class UpdateSession(ProcessedLayers):
             self._snapshot(info)
             self._touched.add(layer)
             return
-        self._open_processed(info)
+        self._open_processed(info, self._lend.pop(layer, None) if self._lend else None)
 
     def _require_open(self) -> None:
         if self._status != "open":
