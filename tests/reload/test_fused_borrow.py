@@ -140,14 +140,12 @@ def test_fused_keys_adjacent_in_one_buffer_are_processed_where_they_lie() -> Non
     assert_bitwise_equal(model, twin)
 
 
-def test_a_qwen_like_engine_quantizing_online_reloads_bucket_views_bitwise_like_copies() -> None:
+def test_a_qwen_like_engine_quantizing_online_borrows_bucket_views_by_default_bitwise_like_copies() -> None:
     cfg = hf_config("qwen3", "tiny")
 
     def engine(quant: str) -> ReferenceEngine:
-        e = ReferenceEngine.from_config(cfg, weights=random_weights(cfg, seed=0), quantization=quant)
-        for info in get_state(e.model).layers.values():
-            info.reads_input = not info.direct  # online quantization only reads its model-format input
-        return e
+        # No opt-in here: the engine's online quantization declares that its processing only reads.
+        return ReferenceEngine.from_config(cfg, weights=random_weights(cfg, seed=0), quantization=quant)
 
     for quant in ("fp8", "int8"):
         served, twin = engine(quant), engine(quant)

@@ -88,6 +88,9 @@ class LinearBase(nn.Module):
         self.tp = tp
         self.tp_group = tp.group
         self.quant_method = linear_method or UnquantizedLinearMethod()
+        if self.quant_method.processor_reads_input:
+            # Declares to reload that this layer can be processed from the caller's memory.
+            self.ws_processor_reads_input = True
         self.params_dtype = params_dtype
         self._device = device
         self._has_bias = bias

@@ -56,6 +56,10 @@ class LinearMethod:
     requires_processing: bool = False
     #: Human-readable name used in reports and errors.
     name: str = "linear"
+    #: True when ``process_weights_after_loading`` only reads the model-format tensors (never writes
+    #: them, never keeps a reference): reload may then process tensors where they arrived (a transport
+    #: bucket) instead of copying them into staging first.
+    processor_reads_input: bool = False
 
     #: Where the model-format weight is created: None = the layer's device; "meta" = materialized
     #: layer by layer by the first load (online quantization never holds a full-precision model).

@@ -25,6 +25,8 @@ class OnlineQuantLinearMethod(LinearMethod):
     """Common part of the online methods: model-format weight in, (qweight, scale) out."""
 
     requires_processing = True
+    # quantize() returns new tensors computed from the weight and drops it.
+    processor_reads_input = True
 
     # Model format lives on meta until the first load materializes it layer by layer: a quantized
     # engine never holds a full-precision copy of the whole model.
