@@ -633,6 +633,7 @@ class WeightReceiver:
         if self._link is not None:
             self._link.close()
             self._link = None
+        self._ck = None  # its device intermediates go with the buffers
         self._buffers = []  # drops the single import of each IPC buffer (its reference is released)
         self._staging = None
         if self._channel is not None:

@@ -542,6 +542,7 @@ class WeightSender:
         if self.shim.is_cuda:
             torch.cuda.synchronize(self.device)
         self._plane = None
+        self._ck = None  # its device intermediates go with the buffers
         self._buffers = []
         for link in self._links.values():
             link.close()
