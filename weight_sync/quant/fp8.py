@@ -18,7 +18,7 @@ from weight_sync.quant.fp8_triton import (
     scale_cast_fp8,
     triton_available,
 )
-from weight_sync.quant.online import OnlineQuantLinearMethod, reduce_max
+from weight_sync.quant.online import OnlineQuantLinearMethod, fitting_output, reduce_max
 
 __all__ = [
     "FP8_MAX",
@@ -116,6 +116,7 @@ def quantize_fp8(
     w: torch.Tensor,
     config: Fp8Config,
     group: dist.ProcessGroup | None = None,
+    out: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a 2-D weight to fp8 e4m3; returns (qweight, fp32 scale) with ``w ~= q * scale``.
 
@@ -125,13 +126,20 @@ def quantize_fp8(
     On CUDA with Triton the same arithmetic runs in Triton (``fp8_triton``), bitwise equal again (a NaN
     may differ in sign, which torch itself leaves unspecified): 'block' and 'channel' as one kernel that
     reads the weight once, 'tensor' as one cast kernel after the global scale.
+
+    ``out`` = (qweight, scale) tensors to write into, each used (and returned) only if it fits
+    (:func:`~weight_sync.quant.online.fitting_output`); a reload passes the live kernel tensors.
     """
     if w.dim() != 2:
         raise ConfigError(f"fp8 quantization needs a 2-D weight, got shape {tuple(w.shape)}")
     n, k = w.shape
+    q_out = out[0] if fitting_output(out[0], w, (n, k), torch.float8_e4m3fn) else None
+    s_out = out[1]
     fast = w.is_cuda and w.stride(1) == 1 and w.numel() > 0 and triton_available()
     if fast and fused_supported(config.granularity, config.block_size):
-        return quantize_fp8_fused(w, config.granularity, config.block_size, FP8_MAX, _EPS)
+        s_shape = (n,) if config.granularity == "channel" else _tile_grid(n, k, config.block_size)
+        s_fit = s_out if fitting_output(s_out, w, s_shape, torch.float32) else None
+        return quantize_fp8_fused(w, config.granularity, config.block_size, FP8_MAX, _EPS, out=(q_out, s_fit))
     if config.granularity == "tensor":
         scale = _scale(reduce_max(_absmax(w).reshape(1), group))
     elif config.granularity == "channel":
@@ -139,18 +147,27 @@ def quantize_fp8(
     else:
         # Tiles are views of (at most) one padded copy; one scale per tile.
         scale = _scale(_absmax(_blocks(w, *config.block_size), (1, 3)))
+    scale = scale.contiguous()
+    if fitting_output(s_out, w, tuple(scale.shape), torch.float32):
+        assert s_out is not None
+        scale = s_out.copy_(scale)
     if fast:
-        return scale_cast_fp8(w, scale, config.granularity, config.block_size, FP8_MAX), scale.contiguous()
+        return scale_cast_fp8(w, scale, config.granularity, config.block_size, FP8_MAX, out=q_out), scale
     step = config.block_size[0] if config.granularity == "block" else 1
     rows = max(step, _CHUNK_BYTES // (4 * max(k, 1)) // step * step)
-    q = torch.empty((n, k), dtype=torch.float8_e4m3fn, device=w.device)
+    q = q_out if q_out is not None else torch.empty((n, k), dtype=torch.float8_e4m3fn, device=w.device)
     scratch = torch.empty(min(rows, n) * k, dtype=torch.float32, device=w.device)
     for r0 in range(0, n, rows):
         part = w[r0 : r0 + rows]
         chunk = scratch[: part.numel()].view(part.shape)
         _scaled_rows(part, r0, scale, config, chunk)
         q[r0 : r0 + rows].copy_(chunk.clamp_(-FP8_MAX, FP8_MAX))
-    return q, scale.contiguous()
+    return q, scale
+
+
+def _tile_grid(n: int, k: int, block_size: tuple[int, int]) -> tuple[int, int]:
+    """Shape of the 'block' scales of an (n, k) weight: [row tiles, column tiles]."""
+    return -(-n // block_size[0]), -(-k // block_size[1])
 
 
 def dequantize_fp8(
@@ -173,9 +190,12 @@ class Fp8LinearMethod(OnlineQuantLinearMethod):
         self.name = f"fp8_{config.granularity}"
 
     def quantize(
-        self, weight: torch.Tensor, group: dist.ProcessGroup | None
+        self,
+        weight: torch.Tensor,
+        group: dist.ProcessGroup | None,
+        out: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return quantize_fp8(weight, self.config, group)
+        return quantize_fp8(weight, self.config, group, out)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         q, scale = layer_tensor(layer, "weight"), layer_tensor(layer, "weight_scale")

@@ -141,12 +141,14 @@ def fused_supported(granularity: str, block_size: tuple[int, int]) -> bool:
 
 
 def quantize_fp8_fused(w: torch.Tensor, granularity: str, block_size: tuple[int, int], fmax: float,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                       eps: float, out: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """fp8 e4m3 weight and fp32 scales of a non-empty 2-D weight with unit column stride, one kernel.
 
     'block': scales [row tiles, column tiles]; 'channel': one per row. The scale of a group is
     ``clamp(absmax, eps) / fmax``; NaN anywhere in a group makes its scale and values NaN, as in torch.
-    Allocates only the two outputs. CUDA, or CPU tensors under ``TRITON_INTERPRET=1``.
+    Allocates only the two outputs, or none: ``out`` = (q, scale) given by the caller, already checked to
+    be contiguous with the right shape, dtype and device. CUDA, or CPU tensors under ``TRITON_INTERPRET=1``.
     """
     if not fused_supported(granularity, block_size) or w.dim() != 2 or w.stride(1) != 1 or w.numel() == 0:
         raise ValueError(f"fused fp8 needs a non-empty 2-D weight with unit column stride and a supported "
@@ -159,13 +161,14 @@ def quantize_fp8_fused(w: torch.Tensor, granularity: str, block_size: tuple[int,
         else:
             bk, bm = _LONG_STEP, _LONG_ROWS
         group_rows = bm
-        scale = torch.empty(n, dtype=torch.float32, device=w.device)
+        scale = out[1] if out[1] is not None else torch.empty(n, dtype=torch.float32, device=w.device)
     else:
         per_row, (group_rows, group_cols) = False, block_size
         bm, col_groups = _pow2(group_rows), -(-k // group_cols)
         bk = min(_pow2(group_cols), _TILE // bm)
-        scale = torch.empty((-(-n // group_rows), col_groups), dtype=torch.float32, device=w.device)
-    q = torch.empty((n, k), dtype=torch.float8_e4m3fn, device=w.device)
+        scale = out[1] if out[1] is not None else torch.empty(
+            (-(-n // group_rows), col_groups), dtype=torch.float32, device=w.device)
+    q = out[0] if out[0] is not None else torch.empty((n, k), dtype=torch.float8_e4m3fn, device=w.device)
     chunks = -(-group_cols // bk)
     grid = (-(-n // group_rows) * col_groups,)
     with _launch_device(w):
@@ -176,14 +179,14 @@ def quantize_fp8_fused(w: torch.Tensor, granularity: str, block_size: tuple[int,
 
 
 def scale_cast_fp8(w: torch.Tensor, scale: torch.Tensor, granularity: str, block_size: tuple[int, int],
-                   fmax: float) -> torch.Tensor:
+                   fmax: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """fp8 e4m3 ``clamp(w / scale, -fmax, fmax)`` for a 2-D weight with unit column stride.
 
     ``scale`` is fp32: one element ('tensor'), one per row ('channel') or [row tiles, column tiles]
-    ('block').
+    ('block'). ``out``: a contiguous fp8 (n, k) tensor on ``w``'s device to write into.
     """
     n, k = w.shape
-    q = torch.empty((n, k), dtype=torch.float8_e4m3fn, device=w.device)
+    q = out if out is not None else torch.empty((n, k), dtype=torch.float8_e4m3fn, device=w.device)
     if w.numel() == 0:
         return q
     s = scale.float().contiguous()

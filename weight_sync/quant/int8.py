@@ -52,9 +52,12 @@ class Int8LinearMethod(OnlineQuantLinearMethod):
         self.config = config
 
     def quantize(
-        self, weight: torch.Tensor, group: dist.ProcessGroup | None
+        self,
+        weight: torch.Tensor,
+        group: dist.ProcessGroup | None,
+        out: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return quantize_int8(weight)
+        return quantize_int8(weight)  # new tensors (``out`` is a hint; reload copies them back)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         q, scale = layer_tensor(layer, "weight"), layer_tensor(layer, "weight_scale")

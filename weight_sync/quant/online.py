@@ -18,7 +18,11 @@ from torch import nn
 
 from weight_sync.quant.base import LinearMethod, layer_tensor
 
-__all__ = ["OnlineQuantLinearMethod"]
+#: Module attribute under which reload offers a processed layer's live kernel tensors (name -> tensor) to
+#: its processor, which may write its outputs straight into them (set only while the processor runs).
+RELOAD_TARGETS = "ws_reload_targets"
+
+__all__ = ["RELOAD_TARGETS", "OnlineQuantLinearMethod", "fitting_output"]
 
 
 class OnlineQuantLinearMethod(LinearMethod):
@@ -33,18 +37,42 @@ class OnlineQuantLinearMethod(LinearMethod):
     model_format_device = "meta"
 
     def quantize(
-        self, weight: torch.Tensor, group: dist.ProcessGroup | None
+        self,
+        weight: torch.Tensor,
+        group: dist.ProcessGroup | None,
+        out: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return (quantized weight, scale) for a model-format weight."""
+        """Return (quantized weight, scale) for a model-format weight.
+
+        ``out``: tensors the results may be written into (returned as such) when their shape, dtype,
+        device and contiguity fit; otherwise new tensors are returned.
+        """
         raise NotImplementedError
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         w = layer_tensor(layer, "weight")
         if w.dtype in (torch.float8_e4m3fn, torch.int8):
             return  # already kernel format: processing twice would quantize quantized bytes
-        q, scale = self.quantize(w.detach(), getattr(layer, "tp_group", None))
-        layer.weight = nn.Parameter(q, requires_grad=False)
-        layer.weight_scale = nn.Parameter(scale, requires_grad=False)
+        # On a reload the live kernel tensors are offered: quantizing straight into them saves a
+        # transient copy of the quantized weight and the copy back.
+        targets = getattr(layer, RELOAD_TARGETS, None) or {}
+        q, scale = self.quantize(w.detach(), getattr(layer, "tp_group", None),
+                                 out=(targets.get("weight"), targets.get("weight_scale")))
+        layer.weight = q if isinstance(q, nn.Parameter) else nn.Parameter(q, requires_grad=False)
+        layer.weight_scale = scale if isinstance(scale, nn.Parameter) else nn.Parameter(scale, requires_grad=False)
+
+
+def fitting_output(t: torch.Tensor | None, like: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> bool:
+    """Whether ``t`` can receive a result of ``shape`` and ``dtype`` computed from ``like`` (same device,
+    contiguous, not overlapping ``like``)."""
+    return (
+        t is not None
+        and tuple(t.shape) == tuple(shape)
+        and t.dtype == dtype
+        and t.device == like.device
+        and t.is_contiguous()
+        and t.data_ptr() != like.data_ptr()
+    )
 
 
 def reduce_max(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

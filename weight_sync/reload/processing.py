@@ -22,6 +22,7 @@ from torch import nn
 from weight_sync.errors import LayoutMismatchError
 from weight_sync.layers.meta import install_tensor, rematerialize
 from weight_sync.layers.tensors import graph_visible_tensors
+from weight_sync.quant.online import RELOAD_TARGETS
 from weight_sync.reload.plan import Plan
 from weight_sync.reload.state import LayerInfo, ModelState
 from weight_sync.reload.validation import fmt_layout
@@ -188,11 +189,23 @@ class ProcessedLayers:
                 on_device = ol.staging[rec.name].detach().to(self.device)
                 install_tensor(mod, rec, rematerialize(rec, self.device, data=on_device))
         assert info.processor is not None
-        info.processor(mod)
-        t1 = time.perf_counter()
-        produced = graph_visible_tensors(mod)
         old = {**ol.params, **ol.buffers, **ol.tensor_attrs}
         old = {k: v for k, v in old.items() if v is not None and not v.is_meta}
+        if info.processed:
+            # A processor may write its outputs straight into the live kernel tensors (they are offered
+            # as ``mod.ws_reload_targets``) instead of allocating new ones that are then copied back: no
+            # transient copy of the layer's kernel tensors, no copy-back. So the rollback snapshot of
+            # those tensors is taken before the processor runs, not after.
+            self._snapshot(info, old)
+            # From here the live tensors may change: a failure must roll back or mark the model torn.
+            self._touched.add(info.name)
+            mod.__dict__[RELOAD_TARGETS] = old
+        try:
+            info.processor(mod)
+        finally:
+            mod.__dict__.pop(RELOAD_TARGETS, None)
+        t1 = time.perf_counter()
+        produced = graph_visible_tensors(mod)
         if info.processed:
             for k in produced:
                 if k not in old:
@@ -210,8 +223,7 @@ class ProcessedLayers:
                         f"{info.name}.{k}: kernel tensor is {fmt_layout(tuple(dst.shape), dst.dtype)}, "
                         f"processing produced {fmt_layout(tuple(new.shape), new.dtype)}"
                     )
-            # The layer currently holds the processor's new tensors; the old kernel tensors are in `old`.
-            self._snapshot(info, old)
+            # The layer currently holds the processor's outputs; the old kernel tensors are in `old`.
             if self.rollback:
                 # Kernel state a processor keeps outside tensors (e.g. a oneDNN handle holding prepacked
                 # weights on CPU) is replaced, not copied into: keep the previous objects for rollback.
@@ -221,7 +233,7 @@ class ProcessedLayers:
                 new = produced[k]
                 # Equal shapes: an empty kernel tensor (a weight the processor moved into a handle)
                 # has nothing to copy.
-                if new is not dst and dst.numel():
+                if new is not dst and dst.numel() and not _same_memory(new, dst):
                     dst.copy_(new)
             self._restore_objects(ol, keep_new_attrs=True)
         else:
@@ -288,6 +300,12 @@ class ProcessedLayers:
 
 
 storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` view exactly the same elements (an output written in place)."""
+    return (a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape
+            and a.stride() == b.stride() and a.device == b.device)
 
 
 def sole_owner(t: torch.Tensor) -> bool:
