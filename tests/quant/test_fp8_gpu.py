@@ -60,9 +60,9 @@ def _fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     calls: list[str] = []
     fused = fp8.quantize_fp8_fused
 
-    def spy(w, granularity, *args):
+    def spy(w, granularity, *args, **kwargs):
         calls.append(granularity)
-        return fused(w, granularity, *args)
+        return fused(w, granularity, *args, **kwargs)
 
     monkeypatch.setattr(fp8, "quantize_fp8_fused", spy)
     return calls
@@ -113,3 +113,16 @@ def test_the_tensor_granularity_keeps_the_cast_kernel_and_agrees_across_devices(
         q, s = quantize_fp8(w_cpu.cuda(), config)
         assert_same_bits(q, s, *torch_path(w_cpu.cuda(), config), dtype)
         assert_same_bits(q, s, *torch_path(w_cpu, config), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("granularity", ["tensor", "channel", "block"])
+def test_quantizing_into_given_outputs_on_cuda_writes_them_bitwise_like_new_ones(granularity: str) -> None:
+    w = torch.randn(4096, 1536, device="cuda", dtype=torch.bfloat16)
+    cfg = fp8.Fp8Config(granularity=granularity)
+    q_ref, s_ref = fp8.quantize_fp8(w, cfg)
+    q_out, s_out = torch.empty_like(q_ref), torch.empty_like(s_ref)
+    q, s = fp8.quantize_fp8(w, cfg, out=(q_out, s_out))
+    assert q is q_out and s is s_out
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert torch.equal(s.view(torch.int32), s_ref.view(torch.int32))
