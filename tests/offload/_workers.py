@@ -30,13 +30,19 @@ def _config(world: int, device: str, **kw: Any) -> OffloadConfig:
     return OffloadConfig(**opts)
 
 
-def allgather_equal(rank: int, world: int, dit: dict[str, Any], opts: dict[str, Any], steps: int) -> dict[str, Any]:
-    """Offloaded (AllGather) vs resident output on this rank, with metrics and the post-disable output."""
-    torch.set_num_threads(1)
+def _rank_device(rank: int, opts: dict[str, Any]) -> str:
+    """This rank's device from ``opts['device']`` (popped): 'cpu', or its own GPU made current."""
     device = opts.pop("device", "cpu")
     if device == "cuda":
         torch.cuda.set_device(rank)
         device = f"cuda:{rank}"
+    return device
+
+
+def allgather_equal(rank: int, world: int, dit: dict[str, Any], opts: dict[str, Any], steps: int) -> dict[str, Any]:
+    """Offloaded (AllGather) vs resident output on this rank, with metrics and the post-disable output."""
+    torch.set_num_threads(1)
+    device = _rank_device(rank, opts)
     ref, off = _models(dit, device)
     expected = ref.generate(tokens=24, num_inference_steps=steps, seed=rank)
     handle = enable_layerwise_offload(off, _config(world, device, **opts))
@@ -117,10 +123,7 @@ def landing_equal(rank: int, world: int, dit: dict[str, Any], opts: dict[str, An
     torch.set_num_threads(1)
     import weight_sync.offload.submitter as submitter_mod
 
-    device = opts.pop("device", "cpu")
-    if device == "cuda":
-        torch.cuda.set_device(rank)
-        device = f"cuda:{rank}"
+    device = _rank_device(rank, opts)
     gathers: list[tuple[int, int]] = []  # (input storage, output storage) of every block gather
     real_gather = submitter_mod.all_gather_bytes
 

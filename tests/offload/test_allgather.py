@@ -21,8 +21,10 @@ def test_allgather_dp2_output_is_bitwise_equal_to_resident_over_several_steps() 
         assert m["fabric_bytes"] > 0
 
 
-def test_allgather_host_bytes_per_rank_are_about_one_half_of_the_blocks() -> None:
-    results = run_distributed(_workers.allgather_equal, 2, {"num_blocks": 4, "hidden": 96}, {}, 1)
+@pytest.mark.parametrize("worker", ["allgather_equal", "landing_equal"])
+def test_allgather_host_bytes_per_rank_are_about_one_half_of_the_blocks(worker: str) -> None:
+    # In place or through landing buffers, each rank holds and copies only its half.
+    results = run_distributed(getattr(_workers, worker), 2, {"num_blocks": 4, "hidden": 96}, {}, 1)
     for r in results:
         m = r["metrics"]
         assert m["host_storage"] == "packed"

@@ -138,32 +138,25 @@ def test_gpu_budget_zero_stages_through_two_pinned_buffers(tmp_path: Path) -> No
 
 
 @pytest.mark.multi_gpu
-def test_nccl_allgather_dp2_output_is_bitwise_equal_to_resident() -> None:
+@pytest.mark.parametrize("landing", [False, True], ids=["in_place", "landing_buffers"])
+def test_nccl_allgather_dp2_output_is_bitwise_equal_to_resident(landing: bool) -> None:
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     dit = {"hidden": 1024, "heads": 8, "num_blocks": 5, "in_channels": 16}
-    results = run_distributed(_workers.allgather_equal, 2, dit, {"device": "cuda"}, 3, backend="nccl")
+    worker = _workers.landing_equal if landing else _workers.allgather_equal
+    results = run_distributed(worker, 2, dit, {"device": "cuda"}, 3, backend="nccl")
     for r in results:
         assert r["equal"] and r["equal_after_disable"]
         m = r["metrics"]
         assert m["gather_group_size"] == 2 and m["num_gathers"] >= 15
         assert m["host_bytes"] <= 0.55 * m["block_bytes"]
         assert m["pinned_bytes"] > 0
-
-
-@pytest.mark.multi_gpu
-def test_nccl_allgather_dp2_with_landing_buffers_is_bitwise_equal_to_resident() -> None:
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
-    dit = {"hidden": 1024, "heads": 8, "num_blocks": 5, "in_channels": 16}
-    results = run_distributed(_workers.landing_equal, 2, dit, {"device": "cuda"}, 3, backend="nccl")
-    for r in results:
-        assert r["equal"] and r["equal_after_disable"]
-        assert r["streamed_gathers_out_of_place"] and r["restore_gathers_in_place"]
-        assert r["weights_only_in_slots"]
-        m = r["metrics"]
-        assert m["num_slots_allocated"] == 2 and m["num_landing_buffers_allocated"] == 2
-        assert m["landing_bytes"] * 2 == m["slot_bytes"]
+        assert m["num_slots_allocated"] == 2
+        if landing:
+            assert r["streamed_gathers_out_of_place"] and r["restore_gathers_in_place"]
+            assert r["weights_only_in_slots"]
+            assert m["num_landing_buffers_allocated"] == 2
+            assert m["landing_bytes"] * 2 == m["slot_bytes"]
 
 
 @pytest.mark.multi_gpu
