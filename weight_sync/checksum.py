@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ChecksumWorkspace", "reuse_workspace", "bucket_checksum", "checksum_value", "prepare_checksum", "tensor_checksum"]
+__all__ = ["ChecksumWorkspace", "bucket_checksum", "checksum_value", "prepare_checksum", "reuse_workspace", "tensor_checksum"]
 
 _PERIOD = 65521
 _MASK32 = 0xFFFFFFFF

@@ -108,9 +108,11 @@ def test_a_processor_failing_after_writing_in_place_rolls_back_or_tears(rollback
     before = [layer.weight.detach().clone() for layer in model.layers]
     model.layers[0].fail = True  # the first layer processed: nothing else has been written yet
     weights = [(f"layers.{i}.weight", torch.full((4, 4), 10.0 + i)) for i in range(2)]
-    with pytest.raises(RuntimeError, match="after writing"):
-        with begin_update(model, Manifest.from_named_tensors(weights), rollback=rollback) as s:
-            s.load(weights)
+    with (
+        pytest.raises(RuntimeError, match="after writing"),
+        begin_update(model, Manifest.from_named_tensors(weights), rollback=rollback) as s,
+    ):
+        s.load(weights)
     if rollback:
         assert torn_reason(model) is None
         for layer, b in zip(model.layers, before):

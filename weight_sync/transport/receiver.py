@@ -26,7 +26,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from weight_sync.checksum import ChecksumWorkspace, bucket_checksum, reuse_workspace, checksum_value, prepare_checksum
+from weight_sync.checksum import (
+    ChecksumWorkspace,
+    bucket_checksum,
+    checksum_value,
+    prepare_checksum,
+    reuse_workspace,
+)
 from weight_sync.errors import ChecksumError, TransportError, TransportTimeout, UpdateStateError
 from weight_sync.layers.streams import device_shim
 from weight_sync.manifest import Manifest

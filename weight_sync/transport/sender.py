@@ -24,7 +24,12 @@ from typing import Any
 
 import torch
 
-from weight_sync.checksum import ChecksumWorkspace, bucket_checksum, reuse_workspace, prepare_checksum
+from weight_sync.checksum import (
+    ChecksumWorkspace,
+    bucket_checksum,
+    prepare_checksum,
+    reuse_workspace,
+)
 from weight_sync.errors import ManifestError, SourceError, TransportError, WeightSyncError
 from weight_sync.layers.streams import device_shim
 from weight_sync.manifest import Manifest, TensorMeta, dtype_to_str
