@@ -156,6 +156,7 @@ def bench_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
         row: dict[str, Any] = {"bucket_mb": bucket_mb}
         if rank == 0:
             sender = WeightSender(TransportConfig(backend=backend, bucket_bytes=bucket, timeout_s=600,
+                                                  num_buffers=spec.get("num_buffers", 2),
                                                   checksum=spec["checksum"], verify=spec["verify"]), num_receivers=1)
             store.set(key, sender.address)
             sender.connect()
@@ -192,7 +193,7 @@ def bench_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
                 fp_times.append(report.seconds.get("total", 0.0))
             if device.type == "cuda":
                 transient = torch.cuda.max_memory_allocated(device) - base
-                buffers = 0 if backend == "ipc" else 2 * (bucket + TRAILER_BYTES)
+                buffers = 0 if backend == "ipc" else spec["num_buffers"] * (bucket + TRAILER_BYTES)
                 staging = 0 if receiver._staging is None else receiver._staging.numel()
                 row.update(extra_engine_bytes=buffers + staging + transient, engine_buffers=buffers,
                            engine_staging=staging, engine_transient=transient)
@@ -210,6 +211,7 @@ def bench_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
 def _run(args: argparse.Namespace, backend: str, quantization: str | None) -> dict[str, Any]:
     spec = dict(backend=backend, device=args.device, preset=args.preset, quantization=quantization,
                 bucket_mb=args.bucket_mb, repeats=args.repeats, warmup=args.warmup, checksum=not args.no_checksum,
+                num_buffers=args.num_buffers,
                 verify=args.verify)
     trainer, engine = run_distributed(bench_rank, 2, spec, timeout_s=args.timeout_s)
     rows = []
@@ -225,7 +227,7 @@ def _run(args: argparse.Namespace, backend: str, quantization: str | None) -> di
             row["data_ratio_vs_copy"] = t["data_seconds"] / trainer["copy_s"]
         if "extra_engine_bytes" in e:
             bucket = t["bucket_mb"] << 20
-            buffers = 0 if backend == "ipc" else 2 * (bucket + TRAILER_BYTES)
+            buffers = 0 if backend == "ipc" else args.num_buffers * (bucket + TRAILER_BYTES)
             row["memory_bound_bytes"] = buffers + trainer["largest_block_bytes"]
         rows.append(row)
     return {"backend": backend, "quantization": quantization, "verify": args.verify, "num_bytes": trainer["num_bytes"],
@@ -357,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--no-checksum", action="store_true", help="disable per-bucket checksums")
+    p.add_argument("--num-buffers", type=int, default=2, help="transport buffers per side (2..8)")
     p.add_argument("--verify", choices=["deferred", "before_load"], default="deferred",
                    help="when receivers check each bucket (TransportConfig.verify)")
     p.add_argument("--rss-updates", type=int, default=50,
