@@ -46,7 +46,7 @@ from weight_sync.transport.config import VERIFY_MODES
 from weight_sync.transport.disk import DiskReader
 from weight_sync.transport.doorbell import Link, connect_doorbell
 from weight_sync.transport.group import Channel, Deadline, join_store, make_group, poll, warm_up
-from weight_sync.transport.layout import Bucket, BucketLayout, LayoutCache, plan_buckets
+from weight_sync.transport.layout import Bucket, BucketLayout, LayoutCache
 from weight_sync.transport.planes import BroadcastReceiverPlane, SharedReceiverPlane
 from weight_sync.transport.status import raise_agreed, status_of
 from weight_sync.transport.wire import (
@@ -394,11 +394,9 @@ class WeightReceiver:
         assert self._channel is not None and self._plane is not None and self.params is not None
         if self._manifest is None or self._session is None:
             error = error or UpdateStateError(f"[rank {self.rank}] update_weights arrived without an open update")
-        metas = self._manifest.tensors[header.first : header.first + header.count] if self._manifest else ()
-        if self._manifest is not None and self._layouts is not None:
-            layout = self._layouts.get(self._manifest.tensors, header.first, header.count)
-        else:
-            layout = plan_buckets(metas, self.params.bucket_bytes, self.params.align_bytes)
+        assert self._layouts is not None  # set at connect
+        # Without a manifest (this rank has no open update) the call is planned as empty.
+        layout = self._layouts.get(self._manifest.tensors if self._manifest else (), header.first, header.count)
         if layout.num_buckets != header.num_buckets:
             msg = (f"[rank {self.rank}] update_weights: the sender cut tensors {header.first}..."
                    f"{header.first + header.count} into {header.num_buckets} buckets, this receiver into "

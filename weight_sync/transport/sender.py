@@ -339,7 +339,6 @@ class WeightSender:
             self._pos += count
             self._transfer_s += time.perf_counter() - t0
             return sent
-        assert self._manifest is not None
         layout = self._layouts.get(self._manifest.tensors, first, count)
         self._call += 1
         assert self._channel is not None and self._plane is not None
