@@ -156,7 +156,7 @@ def bench_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
         row: dict[str, Any] = {"bucket_mb": bucket_mb}
         if rank == 0:
             sender = WeightSender(TransportConfig(backend=backend, bucket_bytes=bucket, timeout_s=600,
-                                                  num_buffers=spec.get("num_buffers", 2),
+                                                  num_buffers=spec["num_buffers"],
                                                   checksum=spec["checksum"], verify=spec["verify"]), num_receivers=1)
             store.set(key, sender.address)
             sender.connect()
