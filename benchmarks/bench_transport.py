@@ -155,9 +155,11 @@ def bench_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
         key = f"bench/{backend}/{bucket_mb}"
         row: dict[str, Any] = {"bucket_mb": bucket_mb}
         if rank == 0:
+            zero_copy = spec.get("zero_copy", False)
             sender = WeightSender(TransportConfig(backend=backend, bucket_bytes=bucket, timeout_s=600,
-                                                  num_buffers=spec["num_buffers"],
-                                                  checksum=spec["checksum"], verify=spec["verify"]), num_receivers=1)
+                                                  num_buffers=spec["num_buffers"], zero_copy=zero_copy,
+                                                  checksum=spec["checksum"] and not zero_copy,
+                                                  verify=spec["verify"]), num_receivers=1)
             store.set(key, sender.address)
             sender.connect()
             times, data_times, rss = [], [], []
@@ -193,7 +195,7 @@ def bench_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
                 fp_times.append(report.seconds.get("total", 0.0))
             if device.type == "cuda":
                 transient = torch.cuda.max_memory_allocated(device) - base
-                buffers = 0 if backend == "ipc" else spec["num_buffers"] * (bucket + TRAILER_BYTES)
+                buffers = 0 if backend == "ipc" or spec.get("zero_copy") else spec["num_buffers"] * (bucket + TRAILER_BYTES)
                 staging = 0 if receiver._staging is None else receiver._staging.numel()
                 row.update(extra_engine_bytes=buffers + staging + transient, engine_buffers=buffers,
                            engine_staging=staging, engine_transient=transient)
@@ -208,8 +210,10 @@ def bench_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _run(args: argparse.Namespace, backend: str, quantization: str | None) -> dict[str, Any]:
-    spec = dict(backend=backend, device=args.device, preset=args.preset, quantization=quantization,
+def _run(args: argparse.Namespace, name: str, quantization: str | None) -> dict[str, Any]:
+    # 'ipc+zc' / 'shm+zc': the backend with TransportConfig(zero_copy=True) (no buffers, no checksum).
+    backend, zero_copy = name.removesuffix("+zc"), name.endswith("+zc")
+    spec = dict(backend=backend, zero_copy=zero_copy, device=args.device, preset=args.preset, quantization=quantization,
                 bucket_mb=args.bucket_mb, repeats=args.repeats, warmup=args.warmup, checksum=not args.no_checksum,
                 num_buffers=args.num_buffers,
                 verify=args.verify)
@@ -227,10 +231,10 @@ def _run(args: argparse.Namespace, backend: str, quantization: str | None) -> di
             row["data_ratio_vs_copy"] = t["data_seconds"] / trainer["copy_s"]
         if "extra_engine_bytes" in e:
             bucket = t["bucket_mb"] << 20
-            buffers = 0 if backend == "ipc" else args.num_buffers * (bucket + TRAILER_BYTES)
+            buffers = 0 if backend == "ipc" or zero_copy else args.num_buffers * (bucket + TRAILER_BYTES)
             row["memory_bound_bytes"] = buffers + trainer["largest_block_bytes"]
         rows.append(row)
-    return {"backend": backend, "quantization": quantization, "verify": args.verify, "num_bytes": trainer["num_bytes"],
+    return {"backend": backend, "zero_copy": zero_copy, "quantization": quantization, "verify": args.verify, "num_bytes": trainer["num_bytes"],
             "num_tensors": trainer["num_tensors"], "largest_block_bytes": trainer["largest_block_bytes"],
             "rows": rows}
 
@@ -270,7 +274,7 @@ def _markdown(result: dict[str, Any]) -> str:
     lines = [f"# Transport benchmark ({result['tag']})", "", f"Command: `{env['command']}`  ",
              f"Date: {env['date']}; torch {env['torch']}; {env.get('gpus') or str(env['cpus']) + ' CPUs'}", ""]
     for run in result["runs"]:
-        lines += [f"## {run['backend']}, engine quantization {run['quantization'] or 'none'}, "
+        lines += [f"## {run['backend']}{' zero-copy' if run.get('zero_copy') else ''}, engine quantization {run['quantization'] or 'none'}, "
                   f"verify {run.get('verify', 'before_load')}", "",
                   f"{run['num_tensors']} tensors, {run['num_bytes'] / 1e9:.3f} GB per update, largest block "
                   f"{run['largest_block_bytes'] / 1e6:.1f} MB.", ""]
@@ -309,7 +313,9 @@ def _markdown(result: dict[str, Any]) -> str:
               "exchange), i.e. without the manifest validation before and the commit after. The raw "
               "baseline broadcasts the same bytes in buckets of the same size with two buffers on a fresh group "
               "of the same backend, between the same processes, in the same run; the copy baseline is one "
-              "flat device copy of the same bytes. Extra engine memory = transport buffers + split-tensor "
+              "flat device copy of the same bytes. Zero-copy runs ('+zc') use no buffers and no checksums: each "
+              "engine copies straight from the trainer's tensors (exported once, at the first update), so "
+              "their bucket size is unused. Extra engine memory = transport buffers + split-tensor "
               "staging + transient peak during an update; bound = 2 buffers + the largest block.", ""]
     return "\n".join(lines)
 
@@ -327,7 +333,7 @@ def _plot(result: dict[str, Any], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for run in result["runs"]:
         xs = [r["bucket_mb"] for r in run["rows"]]
-        label = f"{run['backend']} ({run['quantization'] or 'bf16'})"
+        label = f"{run['backend']}{' zero-copy' if run.get('zero_copy') else ''} ({run['quantization'] or 'bf16'})"
         ax.plot(xs, [r["data_gbps"] for r in run["rows"]], marker="o", label=f"{label}, update_weights")
         ax.plot(xs, [r["gbps"] for r in run["rows"]], marker=".", linestyle="-.", alpha=0.6,
                 label=f"{label}, start..commit")
@@ -352,7 +358,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
     p.add_argument("--preset", default=None, help="model preset (default: qwen3-8b on cuda, bench on cpu)")
-    p.add_argument("--backends", default=None, help="comma list (default: nccl on cuda, gloo,shm on cpu)")
+    p.add_argument("--backends", default=None,
+                   help="comma list (default: nccl,ipc on cuda, gloo,shm on cpu); 'ipc+zc' / 'shm+zc': zero-copy")
     p.add_argument("--quantization", default=None,
                    help="comma list of engine quantizations for nccl/gloo (default: none,fp8_block on cuda, none on cpu)")
     p.add_argument("--bucket-mb", default=None, help="comma list of bucket sizes in MiB")
@@ -378,6 +385,8 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"tag": tag, "environment": _environment(args), "preset": args.preset, "runs": []}
     for backend in backends:
         for q in quants if backend in ("nccl", "gloo") else [None]:
+            if backend.endswith("+zc") and backend.removesuffix("+zc") not in ("ipc", "shm"):
+                p.error(f"--backends: zero-copy ('+zc') needs ipc or shm, got {backend!r}")
             print(f"[bench] {backend} quantization={q or 'none'} buckets={args.bucket_mb} MiB", flush=True)
             run = _run(args, backend, q)
             for r in run["rows"]:

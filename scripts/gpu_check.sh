@@ -58,6 +58,7 @@ for phase in "${phases[@]}"; do
         --num-blocks 16 --hidden 3072 --heads 24 --in-channels 64 --tokens 4096 --steps 2 --dtype bfloat16 ;;
     transport)
       step bench_transport_ipc 420 python3 benchmarks/bench_transport.py --backends ipc --tag h200
+      step bench_transport_ipc_zc 300 python3 benchmarks/bench_transport.py --backends ipc,ipc+zc --bucket-mb 2048 --tag h200_ipc_zc
       [ "$NGPU" -ge 2 ] && step bench_transport 540 python3 benchmarks/bench_transport.py --tag h200x2 ;;
     multi)
       if [ "$NGPU" -ge 2 ]; then

@@ -341,11 +341,14 @@ def sender_role(backend: str, num_receivers: int, ckpt_b: str, timeout_s: float,
 
 # ---------------------------------------------------------------------- GPU scenarios (device machine)
 def gpu_sync(rank: int, world: int, backend: str, ckpt_a: str, ckpt_b: str, quantization: Any, num_updates: int,
-             bucket_bytes: int = 1 << 20, verify: str = "deferred", alternate: bool = False) -> dict:
+             bucket_bytes: int = 1 << 20, verify: str = "deferred", alternate: bool = False,
+             zero_copy: bool = False, temporaries: bool = False) -> dict:
     """nccl: sender on cuda:0, engine ranks on cuda:rank. ipc: everyone on cuda:0. Reports memory too.
 
     alternate: send checkpoint b and a in turn (each update differs from the last, so a bucket loaded
-    from a buffer before its receive or packing completed shows up as a wrong fingerprint)."""
+    from a buffer before its receive or packing completed shows up as a wrong fingerprint).
+    zero_copy: TransportConfig(zero_copy=True); temporaries: the source yields a fresh copy of every
+    tensor (made on the fly on the trainer's stream) instead of the trainer's tensors."""
     device = "cuda:0" if backend == "ipc" else f"cuda:{rank}"
     torch.cuda.set_device(device)
     if rank == 0:
@@ -354,8 +357,8 @@ def gpu_sync(rank: int, world: int, backend: str, ckpt_a: str, ckpt_b: str, quan
         bucket_checksum(torch.zeros(4, dtype=torch.uint8, device=device))  # its per-device constants
         torch.cuda.synchronize()
         baseline = torch.cuda.memory_allocated()
-        sender = WeightSender(TransportConfig(backend=backend, bucket_bytes=bucket_bytes, timeout_s=60,
-                                              verify=verify), num_receivers=world - 1)
+        sender = WeightSender(TransportConfig(backend=backend, bucket_bytes=bucket_bytes, timeout_s=60, verify=verify,
+                                              zero_copy=zero_copy, checksum=not zero_copy), num_receivers=world - 1)
         _share_address(0, sender.address)
         sender.connect()
         sources = [CheckpointSource(ckpt_b), CheckpointSource(ckpt_a)]
@@ -366,16 +369,18 @@ def gpu_sync(rank: int, world: int, backend: str, ckpt_a: str, ckpt_b: str, quan
         reports = []
         for v in range(num_updates):
             w = weights[v % 2] if alternate else weights[0]
-            reports.append(sender.send(w, manifest, version=v))
+            source = ((n, t * 1) for n, t in w) if temporaries else w
+            reports.append(sender.send(source, manifest, version=v))
             allocated.append(torch.cuda.memory_allocated())
-        del weights, w  # the trainer's own tensors: not transport memory
+        stats = sender.zero_copy_stats
+        del weights, w, source  # the trainer's own tensors: not transport memory
         sender.close()
         dist.barrier()  # the receivers have closed (released their imports)
         torch.cuda.ipc_collect()
         torch.cuda.synchronize()
         return {"fingerprints": [r.fingerprints for r in reports], "allocated": allocated,
                 "leftover": torch.cuda.memory_allocated() - baseline, "num_buckets": reports[-1].num_buckets,
-                "receiver_waits": [r.receivers[0].get("transport", {}) for r in reports]}
+                "receiver_waits": [r.receivers[0].get("transport", {}) for r in reports], "zero_copy": stats}
     address = _share_address(rank, None)
     engine = ReferenceEngine.from_checkpoint(ckpt_a, device=device, quantization=quantization)
     receiver = WeightReceiver(engine, address, rank)

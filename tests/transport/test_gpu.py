@@ -56,6 +56,27 @@ def test_ipc_sync_on_one_gpu_equals_a_fresh_load_and_releases_every_export(qwen3
     assert trainer["leftover"] == 0, trainer["leftover"]
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("temporaries", [False, True], ids=["trainer tensors", "temporaries"])
+def test_zero_copy_ipc_equals_a_fresh_load_and_leaves_no_export_behind(temporaries: bool, qwen3_a: Path,
+                                                                        qwen3_b: Path) -> None:
+    trainer, engine = run_distributed(gpu_sync, 2, "ipc", str(qwen3_a), str(qwen3_b), None, 6, 1 << 20, "deferred",
+                                      True, True, temporaries, timeout_s=400)
+    assert engine["fingerprints"] == engine["expected"]
+    assert trainer["num_buckets"] == 0
+    n = len(engine["fingerprints"])  # updates
+    if not temporaries:
+        # Two sets of trainer tensors sent in turn: each storage exported once, at its first update.
+        assert trainer["zero_copy"]["exported"] == trainer["zero_copy"]["regions"]
+    else:
+        assert trainer["zero_copy"]["exported"] > n, trainer["zero_copy"]
+    # Temporaries die after their update; the engine releases their imports at the commit and
+    # ipc_collect frees them: the trainer's memory is the same after every update.
+    assert len(set(trainer["allocated"])) == 1, trainer["allocated"]
+    assert len(set(engine["allocated"][1:])) == 1, engine["allocated"]
+    assert trainer["leftover"] == 0, trainer["leftover"]
+
+
 @pytest.mark.multi_gpu
 def test_a_killed_nccl_sender_makes_the_receivers_raise_within_twice_the_timeout(qwen3_a: Path, qwen3_b: Path) -> None:
     if torch.cuda.device_count() < 2:

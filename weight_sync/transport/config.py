@@ -41,6 +41,9 @@ class TransportConfig:
     buffers live (default: the current CUDA device for nccl/ipc, the CPU otherwise). host/port: where the
     rendezvous store listens (port 0: the OS picks one). directory: the disk backend's root.
     shm_dir: where shm buffers are created (a tmpfs). keep_versions: updates the disk backend keeps.
+    zero_copy (ipc, shm): no buffers, no packing; receivers read the sender's own tensors in place, each
+    storage exported once and kept mapped while it lives (see ``weight_sync.transport.zerocopy``): one
+    device copy per byte. Needs ``checksum=False`` (nothing is in transit to checksum).
     """
 
     backend: str = "gloo"
@@ -55,6 +58,7 @@ class TransportConfig:
     directory: str | None = None
     shm_dir: str = "/dev/shm"
     keep_versions: int = 2
+    zero_copy: bool = False
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -78,6 +82,16 @@ class TransportConfig:
             raise ConfigError("backend 'disk' needs directory= (where updates are written)")
         if not isinstance(self.keep_versions, int) or self.keep_versions < 1:
             raise ConfigError(f"keep_versions must be an int >= 1, got {self.keep_versions!r}")
+        if self.zero_copy:
+            if self.backend not in ("ipc", "shm"):
+                raise ConfigError(
+                    f"zero_copy needs a colocated backend ('ipc' or 'shm'), got backend={self.backend!r}"
+                )
+            if self.checksum:
+                raise ConfigError(
+                    "zero_copy reads the sender's tensors in place: no byte is in transit to checksum; "
+                    "pass checksum=False with zero_copy=True"
+                )
         if self.device is not None:
             kind = self.device.split(":")[0]
             if self.backend in ("nccl", "ipc") and kind != "cuda":

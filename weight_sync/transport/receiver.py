@@ -61,6 +61,7 @@ from weight_sync.transport.wire import (
     WireParams,
     b64decode,
 )
+from weight_sync.transport.zerocopy import RegionImporter, load_in_place
 
 __all__ = ["WeightReceiver"]
 
@@ -137,6 +138,8 @@ class WeightReceiver:
         self._ck: ChecksumWorkspace | None = None  # checksum intermediates, allocated on first use
         self._layouts: LayoutCache | None = None  # bucket layouts by call, set at connect
         self._link: Link | None = None
+        self._zc: RegionImporter | None = None  # zero-copy: the sender's storages, imported once
+        self._zc_event: Any = None  # zero-copy ipc: the sender's "tensors produced" event
         self._store: Any = None
         self._disk: DiskReader | None = None
         self._stats_at_start: dict[str, int] = {}
@@ -200,7 +203,12 @@ class WeightReceiver:
         else:
             events: list[Any] | None = None
             try:
-                if params.backend == "shm":
+                if params.zero_copy:
+                    self._zc = RegionImporter(params.backend, self.rank)
+                    if params.backend == "ipc":
+                        handle = json.loads(store.get(f"{PREFIX}/events"))[0]
+                        self._zc_event = torch.cuda.Event.from_ipc_handle(device, b64decode(handle))
+                elif params.backend == "shm":
                     raw = json.loads(store.get(f"{PREFIX}/buffers"))
                     self._buffers = [open_shm_buffer(ShmBufferHandle.from_dict(d)) for d in raw]
                 else:
@@ -212,9 +220,10 @@ class WeightReceiver:
                               for h in handles]
                 if self._buffers:
                     prepare_checksum(self._buffers[0].device)  # an IPC import may be another device index
-                if len(self._buffers) != params.num_buffers or any(b.numel() != nbytes for b in self._buffers):
+                expected = 0 if params.zero_copy else params.num_buffers
+                if len(self._buffers) != expected or any(b.numel() != nbytes for b in self._buffers):
                     raise TransportError(
-                        f"[rank {self.rank}] connect: expected {params.num_buffers} shared buffers of {nbytes} "
+                        f"[rank {self.rank}] connect: expected {expected} shared buffers of {nbytes} "
                         f"bytes, got {[b.numel() for b in self._buffers]}"
                     )
             except Exception as e:
@@ -254,6 +263,9 @@ class WeightReceiver:
                 f"[rank {self.rank}] {wanted} was called while the sender is in {header.kind}"
             )
         try:
+            if header.zero_copy is not None and self._zc is not None:
+                # Regions whose storage died on the sender (or all, after a failure) go before anything.
+                self._zc.drop(header.zero_copy.get("drop"), reset=bool(header.zero_copy.get("reset")))
             if header.kind == "start":
                 return self._on_start(header, error)
             if header.kind == "call":
@@ -395,6 +407,8 @@ class WeightReceiver:
         if self._manifest is None or self._session is None:
             error = error or UpdateStateError(f"[rank {self.rank}] update_weights arrived without an open update")
         assert self._layouts is not None  # set at connect
+        if header.zero_copy is not None:
+            return self._on_zero_copy_call(header, error)
         # Without a manifest (this rank has no open update) the call is planned as empty.
         layout = self._layouts.get(self._manifest.tensors if self._manifest else (), header.first, header.count)
         if layout.num_buckets != header.num_buckets:
@@ -457,6 +471,27 @@ class WeightReceiver:
             except Exception as e:
                 error = e
                 log.error("[rank %d] update %r: %s", self.rank, self._version, e)
+        statuses = self._channel.exchange_status(status_of(self.rank, "update_weights", error))
+        raise_agreed(statuses, "update_weights", self._channel.size, local=error)
+        return loaded
+
+    def _on_zero_copy_call(self, header: ControlHeader, error: BaseException | None) -> int:
+        """A call without buffers: import the new regions, load from the sender's memory in place."""
+        assert self._channel is not None
+        zc, table = header.zero_copy or {}, (header.zero_copy or {}).get("table")
+        loaded = 0
+        try:
+            if self._zc is None:
+                raise TransportError(f"[rank {self.rank}] a zero-copy call arrived on a transport without zero_copy")
+            self._zc.add(zc.get("regions") or [])
+            if table is None:
+                self._zc.drop(None, reset=True)  # the sender failed: release this call's exports too
+            elif error is None:
+                metas = self._manifest.tensors[header.first : header.first + header.count]  # type: ignore[union-attr]
+                loaded = load_in_place(self._zc, table, metas, self._session, self._channel, self._zc_event, self.shim)
+        except Exception as e:
+            error = error or e
+            log.error("[rank %d] update %r: zero-copy call %d: %s", self.rank, self._version, header.call, e)
         statuses = self._channel.exchange_status(status_of(self.rank, "update_weights", error))
         raise_agreed(statuses, "update_weights", self._channel.size, local=error)
         return loaded
@@ -607,6 +642,11 @@ class WeightReceiver:
             return {}
         return {k: v - self._stats_at_start.get(k, 0) for k, v in self._channel.stats.items()}
 
+    @property
+    def zero_copy_regions(self) -> int:
+        """Zero-copy: how many of the sender's storages this receiver holds imported (0 otherwise)."""
+        return 0 if self._zc is None else len(self._zc)
+
     def _committed(self, report: Any) -> None:
         self.weight_version = report.version
         self.last_report = report
@@ -639,6 +679,8 @@ class WeightReceiver:
             self._link = None
         self._ck = None  # its device intermediates go with the buffers
         self._buffers = []  # drops the single import of each IPC buffer (its reference is released)
+        if self._zc is not None:
+            self._zc.close()  # zero-copy: releases every import of the sender's storages
         self._staging = None
         if self._channel is not None:
             self._channel.close()

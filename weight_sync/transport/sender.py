@@ -30,7 +30,7 @@ from weight_sync.checksum import (
     prepare_checksum,
     reuse_workspace,
 )
-from weight_sync.errors import ManifestError, SourceError, TransportError, WeightSyncError
+from weight_sync.errors import ManifestError, TransportError, WeightSyncError
 from weight_sync.layers.streams import device_shim
 from weight_sync.manifest import Manifest, TensorMeta, dtype_to_str
 from weight_sync.transport.buffers import (
@@ -45,6 +45,7 @@ from weight_sync.transport.doorbell import DoorbellServer, Link
 from weight_sync.transport.group import Channel, host_store, make_group, warm_up
 from weight_sync.transport.layout import Bucket, BucketLayout, LayoutCache, check_block_order
 from weight_sync.transport.planes import BroadcastSenderPlane, SharedSenderPlane
+from weight_sync.transport.source import Checked, close_source
 from weight_sync.transport.status import raise_agreed, status_of
 from weight_sync.transport.wire import (
     MAGIC,
@@ -57,6 +58,7 @@ from weight_sync.transport.wire import (
     WireParams,
     b64encode,
 )
+from weight_sync.transport.zerocopy import RegionExporter
 
 __all__ = ["TransferReport", "WeightSender"]
 
@@ -104,7 +106,7 @@ class WeightSender:
         self.params = WireParams(
             backend=config.backend, bucket_bytes=config.bucket_bytes, num_buffers=config.num_buffers,
             checksum=config.checksum, timeout_s=float(config.timeout_s), align_bytes=ALIGN_BYTES,
-            world_size=self.world_size, verify=config.verify,
+            world_size=self.world_size, verify=config.verify, zero_copy=config.zero_copy,
         )
         self.peers: list[Hello] = []
         self._state = "new"
@@ -125,6 +127,8 @@ class WeightSender:
         self._ck: ChecksumWorkspace | None = None  # checksum intermediates, allocated on first use
         self._shm_handles: list[Any] = []
         self._links: dict[int, Link] = {}
+        self._zc: RegionExporter | None = None  # zero-copy: the exported storages
+        self._zc_event: Any = None  # zero-copy ipc: recorded once the call's tensors are produced
         self._stats_at_start: dict[str, int] = {}
         self._disk: DiskWriter | None = None
         self._store = None
@@ -206,7 +210,14 @@ class WeightSender:
         events: list[Any] | None = None
         try:
             store.set(f"{PREFIX}/doorbell", json.dumps(server.info()))
-            if cfg.backend == "shm":
+            if cfg.zero_copy:
+                # No buffers: receivers map the source's own storages, call by call (``zerocopy``).
+                self._zc = RegionExporter(cfg.backend, self.device, list(range(1, self.world_size)))
+                store.set(f"{PREFIX}/buffers", "[]")
+                if cfg.backend == "ipc":
+                    self._zc_event = torch.cuda.Event(interprocess=True)
+                    store.set(f"{PREFIX}/events", json.dumps([b64encode(bytes(self._zc_event.ipc_handle()))]))
+            elif cfg.backend == "shm":
                 self._buffers, self._shm_handles = create_shm_buffers(cfg.shm_dir, cfg.num_buffers, nbytes)
                 store.set(f"{PREFIX}/buffers", _json_list([h.to_dict() for h in self._shm_handles]))
             else:  # ipc: one export of each buffer per receiver, each imported exactly once
@@ -229,6 +240,13 @@ class WeightSender:
         if failed:
             log.info("[rank 0] connect: receivers reported failures %s", failed)
         return RankStatus(rank=0, ok=True, phase="connect")
+
+    @property
+    def zero_copy_stats(self) -> dict[str, int]:
+        """Zero-copy only: storages exported and still live ('regions'), exports since connect ('exported')."""
+        if self._zc is None:
+            return {}
+        return {"regions": len(self._zc), "exported": self._zc.exported}
 
     # ------------------------------------------------------------------ lifecycle
     def _require(self, *states: str) -> None:
@@ -330,15 +348,17 @@ class WeightSender:
             try:
                 if local_error is not None:
                     raise local_error
-                sent = self._disk.write_call(metas, _checked(it, metas, first))
+                sent = self._disk.write_call(metas, Checked(it, metas, first))
             except BaseException:
-                _close_source(it, named_tensors)
+                close_source(it, named_tensors)
                 self._disk.abort()
                 self._state = "idle"
                 raise
             self._pos += count
             self._transfer_s += time.perf_counter() - t0
             return sent
+        if self._zc is not None:
+            return self._zero_copy_call(named_tensors, metas, first, local_error)
         layout = self._layouts.get(self._manifest.tensors, first, count)
         self._call += 1
         assert self._channel is not None and self._plane is not None
@@ -354,13 +374,13 @@ class WeightSender:
             try:
                 local_error = self._send_buckets(layout, it, first, announce)
             except BaseException:
-                _close_source(it, named_tensors)
+                close_source(it, named_tensors)
                 raise
             if local_error is not None:
-                _close_source(it, named_tensors)
+                close_source(it, named_tensors)
         else:
             announce()
-            _close_source(None, named_tensors)
+            close_source(None, named_tensors)
         self._transfer_s += time.perf_counter() - t0
         self._num_buckets += layout.num_buckets
         self._pos += count
@@ -372,6 +392,55 @@ class WeightSender:
             self._state = "idle"  # every receiver aborted its update (rolled back or torn)
             raise
         return count
+
+    def _zero_copy_call(self, named_tensors: Iterable[tuple[str, torch.Tensor]], metas: tuple[TensorMeta, ...],
+                        first: int, error: BaseException | None) -> int:
+        """One call without buffers: the header carries where each tensor lies in the exported storages.
+
+        The call's tensors (flat views) are held until every receiver reported its loads complete.
+        """
+        zc, channel = self._zc, self._channel
+        assert zc is not None and channel is not None
+        t0 = time.perf_counter()
+        self._call += 1
+        flats: list[torch.Tensor] = []
+        regions: list[dict[str, Any]] = []
+        table: list[list[int]] | None = None
+        it = None
+        if error is None:
+            it = iter(named_tensors)
+            source = Checked(it, metas, first)
+            try:
+                for index, meta in enumerate(metas):
+                    flats.append(source.next_flat(index))
+                    zc.check(meta.name, flats[-1])
+                source.expect_end()
+                regions, table = zc.table(flats)
+            except (Exception, KeyboardInterrupt) as e:
+                error = e
+                log.error("[rank 0] update %r: zero-copy call %d failed: %s", self._version, self._call, e)
+        if error is not None:
+            close_source(it, named_tensors)
+            flats.clear()
+            # Receivers import what was exported before the failure only to release it with the rest.
+            regions, table = zc.abandon(), None
+        elif self._zc_event is not None:
+            # The source produced the tensors on the caller's stream: receivers wait for this point.
+            self._zc_event.record(torch.cuda.current_stream(self.device))
+        payload = dict(zc.control(), regions=regions, table=table)
+        header = ControlHeader(kind="call", seq=self._seq, call=self._call, first=first, count=len(metas),
+                               zero_copy=payload)
+        channel.broadcast_bytes(header.to_json().encode(), "update_weights")
+        statuses = channel.exchange_status(status_of(0, "update_weights", error))
+        self._transfer_s += time.perf_counter() - t0
+        self._pos += len(metas)
+        try:
+            raise_agreed(statuses, "update_weights", self.world_size, local=error)
+        except BaseException:
+            zc.reset()  # a receiver may lack regions: both sides start over
+            self._state = "idle"
+            raise
+        return len(metas)
 
     def _send_buckets(
         self, layout: BucketLayout, it: Iterator[tuple[str, Any]], first: int, announce: Callable[[], None]
@@ -388,7 +457,7 @@ class WeightSender:
         sizes = [b.payload_bytes + TRAILER_BYTES for b in layout.buckets]
         plane.begin_call(sizes, self._seq, self._call)
         heads = self._trailer_heads(layout)
-        source = _checked(it, layout.metas, first)
+        source = Checked(it, layout.metas, first)
         error: BaseException | None = None
         peer_failed = False
         current: dict[int, torch.Tensor] = {}
@@ -420,14 +489,9 @@ class WeightSender:
             self.shim.current_stream().wait_stream(plane.pack_stream)
         if error is None and not peer_failed:
             try:
-                extra = next(source.raw, None)
-            except Exception as e:
-                return SourceError(f"the weights source failed after the last announced tensor: {e}")
-            if extra is not None:
-                error = ManifestError(
-                    f"update_weights: the source yielded {extra[0]!r} after the {len(layout.metas)} tensors "
-                    "this call announced"
-                )
+                source.expect_end()
+            except WeightSyncError as e:
+                return e
         return error
 
     def _trailer_heads(self, layout: BucketLayout) -> torch.Tensor:
@@ -450,7 +514,7 @@ class WeightSender:
             # block until this copy has completed.
             return rows.pin_memory().to(self.device, non_blocking=True)
 
-    def _pack(self, bucket: Bucket, buf: torch.Tensor, source: _Checked, current: dict[int, torch.Tensor]) -> None:
+    def _pack(self, bucket: Bucket, buf: torch.Tensor, source: Checked, current: dict[int, torch.Tensor]) -> None:
         """Copy the bucket's segments into ``buf`` on the pack stream and write its checksum."""
         plane = self._plane
         assert plane is not None
@@ -508,7 +572,8 @@ class WeightSender:
             self._state = "idle"
             return self._report([])
         assert self._channel is not None
-        header = ControlHeader(kind="finish", seq=self._seq)
+        # Zero-copy: storages that died during the update (the source's temporaries) are released now.
+        header = ControlHeader(kind="finish", seq=self._seq, zero_copy=self._zc.control() if self._zc else None)
         self._channel.broadcast_bytes(header.to_json().encode(), "finish_weight_update")
         self._state = "idle"
         statuses = self._channel.exchange_status(RankStatus(rank=0, ok=True, phase="finish_weight_update: check"))
@@ -546,6 +611,7 @@ class WeightSender:
         if self.shim.is_cuda:
             torch.cuda.synchronize(self.device)
         self._plane = None
+        self._zc = None  # receivers release their imports when they close
         self._ck = None  # its device intermediates go with the buffers
         self._buffers = []
         for link in self._links.values():
@@ -566,62 +632,5 @@ class WeightSender:
         self.close()
 
 
-def _close_source(it: Any, source: Any) -> None:
-    """After a failed call: close the source's iterator (a generator runs its cleanup, e.g. FSDPSource's
-    abort agreement) and let a source that was never iterated release its peers (``abort()``)."""
-    close = getattr(it, "close", None)
-    if callable(close):
-        close()
-    abort = getattr(source, "abort", None)
-    if callable(abort):
-        abort()
-
-
 def _json_list(items: list[dict[str, Any]]) -> str:
     return json.dumps(items)
-
-
-class _Checked:
-    """The caller's (name, tensor) stream, checked against the manifest before anything is packed."""
-
-    def __init__(self, it: Iterator[tuple[str, Any]], metas: tuple[TensorMeta, ...], first: int) -> None:
-        self.raw = it
-        self.metas = metas
-        self.first = first
-        self.pos = 0
-
-    def next_flat(self, index: int) -> torch.Tensor:
-        assert index == self.pos, f"tensor {index} requested while the source is at {self.pos}"
-        meta = self.metas[index]
-        try:
-            item = next(self.raw)
-        except StopIteration:
-            raise ManifestError(
-                f"update_weights: the source ended after {index} tensors; the manifest announced "
-                f"{meta.name!r} next (position {self.first + index})"
-            ) from None
-        except WeightSyncError:
-            raise
-        except Exception as e:
-            raise SourceError(
-                f"the weights source failed before {meta.name!r} (position {self.first + index}): "
-                f"{type(e).__name__}: {e}"
-            ) from e
-        name, t = item
-        if t is None:
-            raise ManifestError(f"update_weights: the mapping has no tensor {meta.name!r} announced in the manifest")
-        if name != meta.name or t.dtype != meta.dtype or tuple(t.shape) != meta.shape:
-            raise ManifestError(
-                f"update_weights: position {self.first + index} was announced as {meta.name!r} "
-                f"{meta.shape} {dtype_to_str(meta.dtype)}, the source produced {name!r} {tuple(t.shape)} "
-                f"{str(t.dtype).removeprefix('torch.')}"
-            )
-        self.pos += 1
-        t = t.detach()
-        if not t.is_contiguous():
-            t = t.contiguous()
-        return t.reshape(-1).view(torch.uint8)
-
-
-def _checked(it: Iterator[tuple[str, Any]], metas: tuple[TensorMeta, ...], first: int) -> _Checked:
-    return _Checked(it, metas, first)

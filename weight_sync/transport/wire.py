@@ -101,6 +101,7 @@ class WireParams:
     align_bytes: int
     world_size: int
     verify: str = "deferred"
+    zero_copy: bool = False
     protocol: int = PROTOCOL_VERSION
 
     def to_json(self) -> str:
@@ -143,7 +144,10 @@ class ControlHeader:
     start: ``version`` and ``manifest`` (Manifest JSON), or ``reuse_manifest_of``: the update whose
     (agreed) manifest this one repeats, so an unchanged manifest is not re-encoded every step.
     call: ``first`` and ``count`` select a run of the manifest, ``num_buckets`` lets receivers
-    cross-check their own layout of it.
+    cross-check their own layout of it. zero_copy (zero-copy transports): ``drop`` (region ids
+    receivers release, any kind), ``reset`` (release every region), and for a call ``regions`` (new
+    exports) and ``table`` ([region id, byte offset] per tensor; None when the sender failed to
+    produce the call's tensors).
     """
 
     kind: str
@@ -155,6 +159,7 @@ class ControlHeader:
     first: int = 0
     count: int = 0
     num_buckets: int = 0
+    zero_copy: dict[str, Any] | None = None
     protocol: int = PROTOCOL_VERSION
 
     KINDS = ("start", "call", "finish", "close")

@@ -1,0 +1,137 @@
+"""Multi-process zero-copy scenarios (shm on CPU): rank 0 is the trainer, ranks 1..N engine workers."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tests.transport.harness import connect_pair
+from trainers import CheckpointSource
+from weight_sync.engine import ReferenceEngine
+from weight_sync.reload import torn_reason
+
+ZERO_COPY = {"zero_copy": True, "checksum": False}
+
+
+def _trainer_weights(ckpt: str) -> dict[str, torch.Tensor]:
+    """The trainer's own tensors (each its own storage), like a model's parameters."""
+    return {n: t.clone() for n, t in CheckpointSource(ckpt)}
+
+
+def zero_copy_lifecycle(rank: int, world: int, ckpt_a: str, ckpt_b: str) -> dict:
+    """Four updates from the trainer's tensors: b; a written in place (an optimizer step); a with one
+    parameter replaced and one tensor made on the fly; a again in two calls. Both sides report how many
+    storages are exported / imported after each update; engines report fingerprints."""
+    end, engine, group = connect_pair(rank, world, "shm", ckpt_a, config=ZERO_COPY)
+    manifest = CheckpointSource(ckpt_b).manifest()
+    names = list(manifest.names)
+    if rank == 0:
+        w, a = _trainer_weights(ckpt_b), _trainer_weights(ckpt_a)
+        stats, fps = [], []
+
+        def sent(report: Any) -> None:
+            stats.append(end.zero_copy_stats)
+            fps.append(report.fingerprints)
+
+        sent(end.send(list(w.items()), manifest, 1))
+        for n in names:
+            w[n].copy_(a[n])  # in place: the same storages
+        sent(end.send(list(w.items()), manifest, 2))
+        w[names[0]] = a[names[0]].clone()  # a new storage; the old one dies
+        call3 = [(n, t * 1 if n == names[1] else t) for n, t in w.items()]  # a temporary for names[1]
+        sent(end.send(call3, manifest, 3))
+        del call3  # the temporary dies after its update
+        end.start_weight_update(manifest, 4)
+        half = len(names) // 2
+        items = list(w.items())
+        end.update_weights(items[:half], names=names[:half])
+        end.update_weights(items[half:], names=names[half:])
+        sent(end.finish_weight_update())
+        for t in w.values():
+            t.add_(1)  # the trainer moves on: engines must hold copies, not aliases
+        dist.barrier()
+        dist.barrier()
+        end.close()
+        return {"stats": stats, "fingerprints": fps, "num_tensors": len(names)}
+    fps, regions = [], []
+    for _ in range(4):
+        fps.append(end.receive_update().fingerprint)
+        regions.append(end.zero_copy_regions)
+    dist.barrier()
+    after_trainer_moved_on = engine.fingerprint()
+    dist.barrier()
+    fresh_b = ReferenceEngine.from_checkpoint(ckpt_b, tp_group=group).fingerprint()
+    fresh_a = ReferenceEngine.from_checkpoint(ckpt_a, tp_group=group)
+    state = engine.model.state_dict()
+    equal = all(torch.equal(state[k], v) for k, v in fresh_a.model.state_dict().items())
+    end.close()
+    return {"fingerprints": fps, "regions": regions, "fresh": [fresh_b] + [fresh_a.fingerprint()] * 3,
+            "after_trainer_moved_on": after_trainer_moved_on, "bitwise_equal": equal,
+            "closed_regions": end.zero_copy_regions}
+
+
+def zero_copy_source_fails(rank: int, world: int, ckpt_a: str, ckpt_b: str) -> dict:
+    """The trainer's source raises after 20 tensors: every rank raises, the engine rolls back; a tensor
+    with the wrong dtype is rejected before any write; then clean updates commit."""
+    end, engine, _ = connect_pair(rank, world, "shm", ckpt_a, tp=False, rollback=True, config=ZERO_COPY)
+    manifest = CheckpointSource(ckpt_b).manifest()
+    if rank == 0:
+        w = _trainer_weights(ckpt_b)
+
+        def failing():
+            for i, item in enumerate(w.items()):
+                if i == 20:
+                    raise RuntimeError("injected trainer failure after 20 tensors")
+                yield item
+
+        wrong = [(n, t.double() if i == 5 else t) for i, (n, t) in enumerate(w.items())]
+        outcomes = []
+        for label, tensors in (("failing", failing()), ("wrong dtype", wrong), ("clean", list(w.items())),
+                               ("clean again", list(w.items()))):
+            try:
+                end.send(tensors, manifest, version=label)
+                outcomes.append((label, "ok", ""))
+            except Exception as e:
+                outcomes.append((label, type(e).__name__, str(e)))
+        stats = end.zero_copy_stats
+        end.close()
+        return {"outcomes": outcomes, "stats": stats}
+    before = engine.fingerprint()
+    outcomes, after = [], []
+    for label in ("failing", "wrong dtype", "clean", "clean again"):
+        try:
+            end.receive_update()
+            outcomes.append((label, "ok", ""))
+        except Exception as e:
+            outcomes.append((label, type(e).__name__, str(e)))
+        after.append({"rolled_back": engine.fingerprint() == before, "torn": torn_reason(engine.model),
+                      "regions": end.zero_copy_regions})
+    fresh_b = ReferenceEngine.from_checkpoint(ckpt_b).fingerprint()
+    final = engine.fingerprint()
+    end.close()
+    return {"outcomes": outcomes, "after": after, "final": final, "fresh_b": fresh_b}
+
+
+def zero_copy_split_calls(rank: int, world: int, ckpt_a: str, ckpt_b: str, calls: int) -> dict:
+    """One update in ``calls`` calls through a generator source (the tensors are produced lazily)."""
+    end, engine, _ = connect_pair(rank, world, "shm", ckpt_a, tp=False, config=ZERO_COPY)
+    if rank == 0:
+        src = CheckpointSource(ckpt_b)
+        manifest = src.manifest()
+        w = _trainer_weights(ckpt_b)
+        end.start_weight_update(manifest, 1)
+        names = list(manifest.names)
+        cuts = [len(names) * i // calls for i in range(calls + 1)]
+        for lo, hi in itertools.pairwise(cuts):
+            end.update_weights(((n, w[n]) for n in names[lo:hi]), names=names[lo:hi])
+        report = end.finish_weight_update()
+        end.close()
+        return {"fingerprints": report.fingerprints, "num_buckets": report.num_buckets}
+    end.receive_update()
+    fresh = ReferenceEngine.from_checkpoint(ckpt_b).fingerprint()
+    result = {"fingerprint": engine.fingerprint(), "fresh": fresh}
+    end.close()
+    return result
