@@ -366,6 +366,8 @@ class WeightReceiver:
         if header.manifest is not None:
             manifest = Manifest.from_json(header.manifest)
             self._manifests[header.seq] = manifest
+            if self._zc is not None:
+                self._zc.forget_views()  # the sender forgot its tables with the old manifest
             for old in [k for k in self._manifests if k != header.seq]:
                 del self._manifests[old]
         else:
@@ -488,7 +490,8 @@ class WeightReceiver:
                 self._zc.drop(None, reset=True)  # the sender failed: release this call's exports too
             elif error is None:
                 metas = self._manifest.tensors[header.first : header.first + header.count]  # type: ignore[union-attr]
-                loaded = load_in_place(self._zc, table, metas, self._session, self._channel, self._zc_event, self.shim)
+                loaded = load_in_place(self._zc, (header.first, header.count), zc, metas, self._session,
+                                       self._channel, self._zc_event, self.shim)
         except Exception as e:
             error = error or e
             log.error("[rank %d] update %r: zero-copy call %d: %s", self.rank, self._version, header.call, e)

@@ -274,6 +274,8 @@ class WeightSender:
             check_block_order(manifest.names)
             for m in manifest:
                 dtype_to_str(m.dtype)  # every dtype must have a wire name
+            if self._zc is not None:
+                self._zc.forget_tables()
         self._seq += 1
         self._manifest, self._version, self._pos, self._call = manifest, version, 0, 0
         self._t_start = time.perf_counter()
@@ -397,13 +399,13 @@ class WeightSender:
                         first: int, error: BaseException | None) -> int:
         """One call without buffers: the header carries where each tensor lies in the exported storages.
 
-        The call's tensors (flat views) are held until every receiver reported its loads complete.
+        The call's tensors are held until every receiver reported its loads complete.
         """
         zc, channel = self._zc, self._channel
         assert zc is not None and channel is not None
         t0 = time.perf_counter()
         self._call += 1
-        flats: list[torch.Tensor] = []
+        tensors: list[torch.Tensor] = []
         regions: list[dict[str, Any]] = []
         table: list[list[int]] | None = None
         it = None
@@ -412,24 +414,22 @@ class WeightSender:
             source = Checked(it, metas, first)
             try:
                 for index, meta in enumerate(metas):
-                    flats.append(source.next_flat(index))
-                    zc.check(meta.name, flats[-1])
+                    tensors.append(zc.shareable(meta.name, source.next_tensor(index)))
                 source.expect_end()
-                regions, table = zc.table(flats)
+                regions, table = zc.table(tensors)
             except (Exception, KeyboardInterrupt) as e:
                 error = e
                 log.error("[rank 0] update %r: zero-copy call %d failed: %s", self._version, self._call, e)
         if error is not None:
             close_source(it, named_tensors)
-            flats.clear()
+            tensors.clear()
             # Receivers import what was exported before the failure only to release it with the rest.
             regions, table = zc.abandon(), None
         elif self._zc_event is not None:
             # The source produced the tensors on the caller's stream: receivers wait for this point.
             self._zc_event.record(torch.cuda.current_stream(self.device))
-        payload = dict(zc.control(), regions=regions, table=table)
         header = ControlHeader(kind="call", seq=self._seq, call=self._call, first=first, count=len(metas),
-                               zero_copy=payload)
+                               zero_copy=zc.payload((first, len(metas)), regions, table))
         channel.broadcast_bytes(header.to_json().encode(), "update_weights")
         statuses = channel.exchange_status(status_of(0, "update_weights", error))
         self._transfer_s += time.perf_counter() - t0

@@ -34,6 +34,14 @@ class Checked:
         self.pos = 0
 
     def next_flat(self, index: int) -> torch.Tensor:
+        """The next tensor as a flat uint8 view (made contiguous first if it is not)."""
+        t = self.next_tensor(index).detach()
+        if not t.is_contiguous():
+            t = t.contiguous()
+        return t.reshape(-1).view(torch.uint8)
+
+    def next_tensor(self, index: int) -> torch.Tensor:
+        """The next tensor as the source yielded it, after checking it against the manifest."""
         assert index == self.pos, f"tensor {index} requested while the source is at {self.pos}"
         meta = self.metas[index]
         try:
@@ -60,10 +68,7 @@ class Checked:
                 f"{str(t.dtype).removeprefix('torch.')}"
             )
         self.pos += 1
-        t = t.detach()
-        if not t.is_contiguous():
-            t = t.contiguous()
-        return t.reshape(-1).view(torch.uint8)
+        return t
 
     def expect_end(self) -> None:
         """Raise unless the source is exhausted: it must yield exactly the tensors the call announced."""

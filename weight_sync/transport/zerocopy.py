@@ -73,28 +73,33 @@ class RegionExporter:
         self._dropped: list[int] = []
         self._orphans: list[dict[str, Any]] = []  # exported by a call that then failed
         self._reset = False
+        # The last table sent per (first, count) of a call, while the manifest and every region stay:
+        # a trainer sending the same tensors again ships one flag instead of the table.
+        self._tables: dict[tuple[int, int], list[list[int]]] = {}
         self.exported = 0  # regions exported since connect (a trainer updating in place: once per storage)
 
     def __len__(self) -> int:
         return len(self._regions)
 
-    def check(self, name: str, flat: torch.Tensor) -> None:
-        """Reject a tensor receivers could not map: it must live where the backend shares memory."""
-        if self.backend == "ipc" and flat.device != self.device:
+    def shareable(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """``t`` as receivers can map it (contiguous: a strided tensor is copied once for this call), or a
+        SourceError if it does not live where the backend shares memory."""
+        if self.backend == "ipc" and t.device != self.device:
             raise SourceError(
-                f"zero-copy ipc: {name!r} is on {flat.device}; the sender exports tensors of its own device "
+                f"zero-copy ipc: {name!r} is on {t.device}; the sender exports tensors of its own device "
                 f"{self.device} only (move it there, or use zero_copy=False to pack it into the buffers)"
             )
-        if self.backend == "shm" and flat.device.type != "cpu":
-            raise SourceError(f"zero-copy shm: {name!r} is on {flat.device}; shm shares CPU tensors only")
+        if self.backend == "shm" and t.device.type != "cpu":
+            raise SourceError(f"zero-copy shm: {name!r} is on {t.device}; shm shares CPU tensors only")
+        return t if t.is_contiguous() else t.contiguous()
 
-    def table(self, flats: list[torch.Tensor]) -> tuple[list[dict[str, Any]], list[list[int]]]:
-        """(new region records, [region id, byte offset] per tensor) for the call's flat byte views."""
+    def table(self, tensors: list[torch.Tensor]) -> tuple[list[dict[str, Any]], list[list[int]]]:
+        """(new region records, [region id, byte offset] per tensor) for the call's contiguous tensors."""
         new: list[dict[str, Any]] = []
         rows: list[list[int]] = []
         try:
-            for flat in flats:
-                storage = flat.untyped_storage()
+            for t in tensors:
+                storage = t.untyped_storage()
                 region = self._regions.get(id(storage))
                 if region is None or region.ref() is not storage:
                     if region is not None:
@@ -105,9 +110,9 @@ class RegionExporter:
                     self._next_id += 1
                     self.exported += 1
                     self._regions[id(storage)] = region
-                # ``flat`` is a uint8 view: its storage offset is in bytes (read after the export, which may
-                # have moved a CPU storage into shared memory; the offset does not change).
-                rows.append([region.id, int(flat.storage_offset())])
+                # Read after the export, which may have moved a CPU storage into shared memory (the
+                # offset does not change).
+                rows.append([region.id, int(t.storage_offset()) * t.element_size()])
         except BaseException:
             self._orphans = new
             raise
@@ -125,6 +130,24 @@ class RegionExporter:
             raise SourceError(f"zero-copy shm: a {storage.nbytes()}-byte storage cannot be shared: {e}") from e
         return {"id": region_id, "nbytes": int(size), "manager": manager.decode(), "name": name.decode()}
 
+    def payload(self, key: tuple[int, int], regions: list[dict[str, Any]], table: list[list[int]] | None,
+                ) -> dict[str, Any]:
+        """A call's ``zero_copy`` header field: releases first, then new regions and the table (or
+        ``same_table`` when it repeats the last one sent for this run of the manifest)."""
+        out = dict(self.control(), regions=regions, table=table, same_table=False)
+        if out["drop"] or out["reset"]:
+            self._tables.clear()  # receivers drop their cached views with any region
+        if table is not None:
+            if self._tables.get(key) == table:
+                out.update(table=[], same_table=True)
+            else:
+                self._tables[key] = table
+        return out
+
+    def forget_tables(self) -> None:
+        """A new manifest: tables are keyed by position, so none carries over (receivers do the same)."""
+        self._tables.clear()
+
     def control(self) -> dict[str, Any]:
         """What receivers release before anything else in the next header: the regions whose storage
         died since the last header (``drop``), or all of them after a failure (``reset``)."""
@@ -139,6 +162,7 @@ class RegionExporter:
     def reset(self) -> None:
         """Forget every region (after a failed call); the next header tells receivers to do the same."""
         self._regions.clear()
+        self._tables.clear()
         self._dropped = []
         self._reset = True
 
@@ -157,16 +181,24 @@ class RegionImporter:
         self.backend = backend
         self.rank = rank
         self._regions: dict[int, torch.Tensor] = {}
+        # Views of the last table per (first, count) (mirrors the sender's table cache).
+        self._views: dict[tuple[int, int], list[tuple[str, torch.Tensor]]] = {}
 
     def __len__(self) -> int:
         return len(self._regions)
 
     def drop(self, ids: list[int] | None, reset: bool = False) -> None:
         """Release the imports the sender dropped (their storages died on its side)."""
+        if reset or ids:
+            self._views.clear()  # they would keep the dropped imports alive
         if reset:
             self._regions.clear()
         for rid in ids or ():
             self._regions.pop(int(rid), None)
+
+    def forget_views(self) -> None:
+        """A new manifest: cached views are keyed by position (the sender forgets its tables too)."""
+        self._views.clear()
 
     def add(self, records: list[dict[str, Any]]) -> None:
         """Import every new region once."""
@@ -201,6 +233,21 @@ class RegionImporter:
             )
         return region
 
+    def call_views(self, key: tuple[int, int], zc: dict[str, Any], metas: tuple[TensorMeta, ...],
+                   ) -> list[tuple[str, torch.Tensor]]:
+        """The call's (name, view) list: built from its table, or the cached one it repeats."""
+        if zc.get("same_table"):
+            cached = self._views.get(key)
+            if cached is None:
+                raise TransportError(
+                    f"[rank {self.rank}] zero-copy: the sender repeats the table of tensors {key[0]}..."
+                    f"{key[0] + key[1]}, which this receiver does not hold"
+                )
+            return cached
+        views = self.views(zc["table"], metas)
+        self._views[key] = views
+        return views
+
     def views(self, rows: list[list[int]], metas: tuple[TensorMeta, ...]) -> list[tuple[str, torch.Tensor]]:
         """(name, tensor) for each row: a typed view into an imported region, bounds-checked."""
         if len(rows) != len(metas):
@@ -223,12 +270,14 @@ class RegionImporter:
         return out
 
     def close(self) -> None:
+        self._views.clear()
         self._regions.clear()
 
 
 def load_in_place(
     importer: RegionImporter,
-    rows: list[list[int]],
+    key: tuple[int, int],
+    zc: dict[str, Any],
     metas: tuple[TensorMeta, ...],
     session: Any,
     channel: Any,
@@ -240,7 +289,7 @@ def load_in_place(
     Returns only once the loads *completed*: the sender may overwrite its tensors as soon as the call's
     status exchange is over.
     """
-    views = importer.views(rows, metas)
+    views = importer.call_views(key, zc, metas)
     if sender_event is not None:
         # A host wait with the deadline (not a stream wait): a rollback snapshot is a blocking copy that
         # must never sit behind a sender that never gets there.
