@@ -27,13 +27,9 @@ import torch
 from torch import nn
 
 from weight_sync.checksum import (
-    ChecksumWorkspace,
-    bucket_checksum,
-    checksum_value,
     prepare_checksum,
-    reuse_workspace,
 )
-from weight_sync.errors import ChecksumError, TransportError, TransportTimeout, UpdateStateError
+from weight_sync.errors import TransportError, TransportTimeout, UpdateStateError
 from weight_sync.layers.streams import device_shim
 from weight_sync.manifest import Manifest
 from weight_sync.transport.buffers import (
@@ -42,6 +38,7 @@ from weight_sync.transport.buffers import (
     import_ipc_buffer,
     open_shm_buffer,
 )
+from weight_sync.transport.checks import BucketChecks
 from weight_sync.transport.config import VERIFY_MODES
 from weight_sync.transport.disk import DiskReader
 from weight_sync.transport.doorbell import Link, connect_doorbell
@@ -50,10 +47,8 @@ from weight_sync.transport.layout import Bucket, BucketLayout, LayoutCache
 from weight_sync.transport.planes import BroadcastReceiverPlane, SharedReceiverPlane
 from weight_sync.transport.status import raise_agreed, status_of
 from weight_sync.transport.wire import (
-    MAGIC,
     STATUS_ABORT,
     TRAILER_BYTES,
-    TRAILER_FIELDS,
     ControlHeader,
     Hello,
     IpcBufferHandle,
@@ -68,8 +63,6 @@ __all__ = ["WeightReceiver"]
 log = logging.getLogger(__name__)
 
 PREFIX = "weight_sync"
-# One row per bucket of a call: the 8 trailer words as received, then the 2 checksum words recomputed here.
-CHECK_WORDS = len(TRAILER_FIELDS) + 2
 
 
 def _target_model(target: Any) -> nn.Module:
@@ -132,10 +125,7 @@ class WeightReceiver:
         self._staging: torch.Tensor | None = None
         # Per-call check table on the buffer device (grown to the most buckets a call has had, then reused)
         # and its pinned host mirror for the read back.
-        self._checks: torch.Tensor | None = None
-        self._checks_host: torch.Tensor | None = None
-        self._readback_event: Any = None
-        self._ck: ChecksumWorkspace | None = None  # checksum intermediates, allocated on first use
+        self._checks: BucketChecks | None = None  # set at connect
         self._layouts: LayoutCache | None = None  # bucket layouts by call, set at connect
         self._link: Link | None = None
         self._zc: RegionImporter | None = None  # zero-copy: the sender's storages, imported once
@@ -192,6 +182,7 @@ class WeightReceiver:
         store.set(f"{PREFIX}/hello/{self.rank}", hello.to_json())
         ctl = make_group("gloo", store, f"{PREFIX}/ctl", self.rank, params.world_size, params.timeout_s)
         self._channel = Channel(ctl, self.rank, params.world_size, params.timeout_s, "the sender (rank 0)")
+        self._checks = BucketChecks(self.rank, params.checksum, self._channel, self.shim)
         nbytes = params.bucket_bytes + TRAILER_BYTES
         error: BaseException | None = None
         if params.backend in ("nccl", "gloo"):
@@ -426,7 +417,14 @@ class WeightReceiver:
         # snapshots a layer with a blocking device->host copy before its first write, and that copy must
         # never sit behind a receive (or a peer's packing) that may never complete.
         host_wait = not deferred or (self.buffer_device.type == "cuda" and bool(self.session_options["rollback"]))
-        checks = self._check_table(layout.num_buckets)
+        assert self._checks is not None
+        judge = self._checks
+        device = self._buffers[0].device if self._buffers else self.buffer_device
+        checks = judge.table(layout.num_buckets, device)
+
+        def names(bucket: Bucket) -> list[str]:
+            return [layout.metas[s.index].name for s in bucket.segments]
+
         self._plane.begin_call(sizes, header.seq, header.call)
         nb = len(self._buffers)
         aborted = False
@@ -444,13 +442,13 @@ class WeightReceiver:
                     elif deferred:
                         # Trailer and checksum land in row k on the device, before release() lets the
                         # buffer be overwritten; they are judged once, after the last bucket.
-                        self._record_checks(bucket, self._buffers[i], checks[k])
+                        judge.record(bucket, self._buffers[i], checks[k])
                         recorded = k + 1
                         loaded += self._consume(bucket, self._buffers[i], layout)
                     else:
-                        self._record_checks(bucket, self._buffers[i], checks[0])
-                        vals = self._readback(checks[:1], f"update_weights: checks of bucket {k}")[0]
-                        if self._judge(vals, bucket, k, header, loaded=False):
+                        judge.record(bucket, self._buffers[i], checks[0])
+                        vals = judge.readback(checks[:1], f"update_weights: checks of bucket {k}")[0]
+                        if judge.judge(vals, bucket, k, header, names(bucket), self._version, loaded=False):
                             loaded += self._consume(bucket, self._buffers[i], layout)
                         else:
                             aborted = True
@@ -464,10 +462,11 @@ class WeightReceiver:
             # been checked before its load: a trailer or checksum failure, or the sender's ABORT, at or
             # before the bucket where loading failed replaces that load error (it is the root cause, and
             # checked first, that load would not have happened).
-            rows = self._readback(checks[:recorded], "update_weights: checks of the call's buckets")
+            rows = judge.readback(checks[:recorded], "update_weights: checks of the call's buckets")
             try:
                 for k, vals in enumerate(rows):
-                    if not self._judge(vals, layout.buckets[k], k, header, loaded=True):
+                    bucket = layout.buckets[k]
+                    if not judge.judge(vals, bucket, k, header, names(bucket), self._version, loaded=True):
                         aborted, error = True, None
                         break
             except Exception as e:
@@ -498,70 +497,6 @@ class WeightReceiver:
         statuses = self._channel.exchange_status(status_of(self.rank, "update_weights", error))
         raise_agreed(statuses, "update_weights", self._channel.size, local=error)
         return loaded
-
-    def _check_table(self, num_buckets: int) -> torch.Tensor:
-        """The int64 [buckets, CHECK_WORDS] table on the buffer device, allocated when a call first needs
-        more rows than before and reused after (nothing allocated per update in steady state)."""
-        need = max(1, num_buckets)
-        if self._checks is None or self._checks.shape[0] < need:
-            device = self._buffers[0].device if self._buffers else self.buffer_device
-            self._checks = torch.zeros((need, CHECK_WORDS), dtype=torch.int64, device=device)
-            if device.type == "cuda":
-                self._checks_host = torch.zeros((need, CHECK_WORDS), dtype=torch.int64, pin_memory=True)
-        return self._checks
-
-    def _record_checks(self, bucket: Bucket, buf: torch.Tensor, row: torch.Tensor) -> None:
-        """Copy the bucket's trailer and (if enabled) its recomputed checksum into ``row``, on the compute
-        stream (behind the wait for the bucket): no host read."""
-        assert self.params is not None
-        p = bucket.payload_bytes
-        row[: len(TRAILER_FIELDS)].copy_(buf[p : p + TRAILER_BYTES].view(torch.int64))
-        if self.params.checksum:
-            # Intermediates allocated once (first bucket), not per bucket: no transient memory.
-            self._ck = reuse_workspace(self._ck, buf.device)
-            bucket_checksum(buf[:p], out=row[len(TRAILER_FIELDS) :], workspace=self._ck)
-
-    def _readback(self, rows: torch.Tensor, phase: str) -> list[list[int]]:
-        """Read ``rows`` of the check table to the host. CUDA: a copy into pinned memory behind the loads,
-        then an event polled with the deadline (a plain ``.tolist()`` would block without one, and the
-        stream may be stuck behind a dead peer)."""
-        assert self._channel is not None
-        self._channel.count("readback")
-        if rows.device.type != "cuda":
-            return rows.tolist()
-        assert self._checks_host is not None
-        host = self._checks_host[: rows.shape[0]]
-        host.copy_(rows, non_blocking=True)
-        if self._readback_event is None:
-            self._readback_event = self.shim.event()
-        self._readback_event.record(self.shim.current_stream())
-        self._channel.wait_event(self._readback_event, phase)
-        return host.tolist()
-
-    def _judge(self, vals: list[int], bucket: Bucket, k: int, header: ControlHeader, *, loaded: bool) -> bool:
-        """Check one bucket's trailer and checksum words; False: the sender aborted from this bucket on."""
-        assert self.params is not None
-        p = bucket.payload_bytes
-        magic, seq, call, kk, status, pbytes, hi, lo, got_hi, got_lo = vals
-        if (magic, seq, call, kk) != (MAGIC, header.seq, header.call, k) or (status != STATUS_ABORT and pbytes != p):
-            raise TransportError(
-                f"[rank {self.rank}] update_weights: bucket {k} carries trailer (magic={magic:#x}, update "
-                f"{seq}, call {call}, bucket {kk}, {pbytes} bytes), expected (magic={MAGIC:#x}, update "
-                f"{header.seq}, call {header.call}, bucket {k}, {p} bytes)"
-                + ("; its bytes were loaded, the update will not be committed" if loaded else "")
-            )
-        if status == STATUS_ABORT:
-            return False
-        if self.params.checksum and (hi, lo) != (got_hi, got_lo):
-            names = [self._manifest.tensors[header.first + s.index].name for s in bucket.segments]  # type: ignore[union-attr]
-            what = ("its bytes were loaded (deferred verification), the update will not be committed" if loaded
-                    else "nothing of it was loaded")
-            raise ChecksumError(
-                f"[rank {self.rank}] update {self._version!r}: bucket {k} ({p} bytes, {names[0]} .. "
-                f"{names[-1]}) failed its checksum: sender {checksum_value((hi, lo), p):#018x}, received "
-                f"{checksum_value((got_hi, got_lo), p):#018x}; {what}"
-            )
-        return True
 
     def _consume(self, bucket: Bucket, buf: torch.Tensor, layout: BucketLayout) -> int:
         """Hand the bucket's complete tensors to the session (which copies them out before returning)."""
@@ -680,7 +615,7 @@ class WeightReceiver:
         if self._link is not None:
             self._link.close()
             self._link = None
-        self._ck = None  # its device intermediates go with the buffers
+        self._checks = None  # its device intermediates go with the buffers
         self._buffers = []  # drops the single import of each IPC buffer (its reference is released)
         if self._zc is not None:
             self._zc.close()  # zero-copy: releases every import of the sender's storages

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
@@ -25,12 +25,9 @@ from typing import Any
 import torch
 
 from weight_sync.checksum import (
-    ChecksumWorkspace,
-    bucket_checksum,
     prepare_checksum,
-    reuse_workspace,
 )
-from weight_sync.errors import ManifestError, TransportError, WeightSyncError
+from weight_sync.errors import ManifestError, TransportError
 from weight_sync.layers.streams import device_shim
 from weight_sync.manifest import Manifest, TensorMeta, dtype_to_str
 from weight_sync.transport.buffers import (
@@ -43,14 +40,12 @@ from weight_sync.transport.config import ALIGN_BYTES, TransportConfig
 from weight_sync.transport.disk import DiskWriter
 from weight_sync.transport.doorbell import DoorbellServer, Link
 from weight_sync.transport.group import Channel, host_store, make_group, warm_up
-from weight_sync.transport.layout import Bucket, BucketLayout, LayoutCache, check_block_order
+from weight_sync.transport.layout import LayoutCache, check_block_order
+from weight_sync.transport.packer import BucketPacker
 from weight_sync.transport.planes import BroadcastSenderPlane, SharedSenderPlane
 from weight_sync.transport.source import Checked, close_source
 from weight_sync.transport.status import raise_agreed, status_of
 from weight_sync.transport.wire import (
-    MAGIC,
-    STATUS_ABORT,
-    STATUS_OK,
     TRAILER_BYTES,
     ControlHeader,
     Hello,
@@ -124,7 +119,7 @@ class WeightSender:
         self._channel: Channel | None = None
         self._plane: BroadcastSenderPlane | SharedSenderPlane | None = None
         self._buffers: list[torch.Tensor] = []
-        self._ck: ChecksumWorkspace | None = None  # checksum intermediates, allocated on first use
+        self._packer: BucketPacker | None = None  # the bucket loop (not with zero-copy)
         self._shm_handles: list[Any] = []
         self._links: dict[int, Link] = {}
         self._zc: RegionExporter | None = None  # zero-copy: the exported storages
@@ -197,6 +192,9 @@ class WeightSender:
             # Every receiver has mapped the files (or failed): the names are no longer needed.
             unlink_shm_buffers(self._shm_handles)
         raise_agreed(statuses, "connect", self.world_size)
+        if self._plane is not None and self._zc is None:
+            self._packer = BucketPacker(self._plane, self._buffers, self._channel, self.shim, self.device,
+                                        cfg.checksum)
         self._state = "idle"
         log.info("[rank 0] connected %d receiver(s) over %s at %s", self.num_receivers, cfg.backend, self.address)
         return self.peers
@@ -374,7 +372,9 @@ class WeightSender:
         if local_error is None:
             it = iter(named_tensors)
             try:
-                local_error = self._send_buckets(layout, it, first, announce)
+                assert self._packer is not None
+                local_error = self._packer.send_call(layout, it, first, announce, self._seq, self._call,
+                                                     self._version)
             except BaseException:
                 close_source(it, named_tensors)
                 raise
@@ -442,119 +442,6 @@ class WeightSender:
             raise
         return len(metas)
 
-    def _send_buckets(
-        self, layout: BucketLayout, it: Iterator[tuple[str, Any]], first: int, announce: Callable[[], None]
-    ) -> BaseException | None:
-        """Pack and submit every bucket of the call; ``announce`` sends the call's header.
-
-        The header goes out once the first bucket's packing is queued, not before: receivers post their
-        receives when it arrives, and the device packs bucket 0 while the header travels and they plan,
-        so the first broadcast starts without waiting for either.
-        """
-        plane = self._plane
-        assert plane is not None and self._channel is not None
-        nb = len(self._buffers)
-        sizes = [b.payload_bytes + TRAILER_BYTES for b in layout.buckets]
-        plane.begin_call(sizes, self._seq, self._call)
-        heads = self._trailer_heads(layout)
-        source = Checked(it, layout.metas, first)
-        error: BaseException | None = None
-        peer_failed = False
-        current: dict[int, torch.Tensor] = {}
-        if not layout.buckets:
-            announce()
-        for k, bucket in enumerate(layout.buckets):
-            i = k % nb
-            # Buffer reuse: CUDA orders it on the device (the host only keeps a bounded lead); CPU and the
-            # shared planes wait on the host for the previous occupant's broadcast / RELEASE.
-            peer_failed |= plane.acquire(k, i)
-            status = STATUS_OK
-            if error is None and not peer_failed:
-                try:
-                    self._pack(bucket, self._buffers[i], source, current)
-                except (Exception, KeyboardInterrupt) as e:
-                    error = e
-                    log.error("[rank 0] update %r: bucket %d could not be packed: %s", self._version, k, e)
-            if error is not None or peer_failed:
-                status = STATUS_ABORT
-                current.clear()
-            self._write_trailer(bucket, self._buffers[i], k, status, heads)
-            if k == 0:
-                announce()
-            plane.submit(k, i, sizes[k], status)
-        peer_failed |= bool(plane.end_call())
-        if self.shim.is_cuda and self._channel.broken is None:
-            # The caller may overwrite its tensors (an optimizer step) on its stream as soon as this call
-            # returns: that stream waits for the packing that still reads them (no host wait).
-            self.shim.current_stream().wait_stream(plane.pack_stream)
-        if error is None and not peer_failed:
-            try:
-                source.expect_end()
-            except WeightSyncError as e:
-                return e
-        return error
-
-    def _trailer_heads(self, layout: BucketLayout) -> torch.Tensor:
-        """The first six trailer words of every bucket of the call, on the buffers' device.
-
-        One host->device copy per call from pinned memory, on the pack stream: writing each trailer from
-        a pageable host tensor would be a blocking copy, i.e. a synchronization of the pack stream per
-        bucket.
-        """
-        rows = torch.tensor(
-            [[MAGIC, self._seq, self._call, k, STATUS_OK, b.payload_bytes] for k, b in enumerate(layout.buckets)],
-            dtype=torch.int64,
-        ).reshape(-1, 6)
-        if not self.shim.is_cuda:
-            return rows
-        plane = self._plane
-        assert plane is not None
-        with plane.pack_stream.use():
-            # Allocated on the pack stream, used only there; the caching host allocator keeps the pinned
-            # block until this copy has completed.
-            return rows.pin_memory().to(self.device, non_blocking=True)
-
-    def _pack(self, bucket: Bucket, buf: torch.Tensor, source: Checked, current: dict[int, torch.Tensor]) -> None:
-        """Copy the bucket's segments into ``buf`` on the pack stream and write its checksum."""
-        plane = self._plane
-        assert plane is not None
-        stream = plane.pack_stream
-        cuda = self.shim.is_cuda
-        for seg in bucket.segments:
-            flat = current.get(seg.index)
-            if flat is None:
-                flat = source.next_flat(seg.index)
-                if cuda and flat.is_cuda:
-                    # The tensor was produced on the caller's stream; the pack stream must see it, and the
-                    # allocator must not hand its memory out before the pack stream has read it.
-                    stream.wait_stream(self.shim.current_stream())
-                    flat.record_stream(stream.raw)  # type: ignore[arg-type]
-                current[seg.index] = flat
-            if seg.nbytes:
-                with stream.use():
-                    buf[seg.bucket_offset : seg.bucket_offset + seg.nbytes].copy_(
-                        flat[seg.tensor_offset : seg.tensor_offset + seg.nbytes], non_blocking=True
-                    )
-            if seg.tensor_offset + seg.nbytes == flat.numel():
-                del current[seg.index]
-
-    def _write_trailer(self, bucket: Bucket, buf: torch.Tensor, k: int, status: int, heads: torch.Tensor) -> None:
-        """Trailer words and checksum of bucket ``k``, written on the pack stream (no host round trip)."""
-        plane = self._plane
-        assert plane is not None
-        p = bucket.payload_bytes
-        trailer = buf[p : p + TRAILER_BYTES].view(torch.int64)
-        with plane.pack_stream.use():
-            trailer[:6].copy_(heads[k], non_blocking=True)
-            if status != STATUS_OK:
-                trailer[4:5].fill_(status)
-            if self.config.checksum and status == STATUS_OK:
-                # Intermediates allocated once (first bucket), not per bucket: no transient memory.
-                self._ck = reuse_workspace(self._ck, buf.device)
-                bucket_checksum(buf[:p], out=trailer[6:8], workspace=self._ck)
-            else:
-                trailer[6:8].zero_()
-
     def finish_weight_update(self) -> TransferReport:
         """Commit on every receiver (all or none report success) and return the transfer report."""
         self._require("open")
@@ -612,7 +499,7 @@ class WeightSender:
             torch.cuda.synchronize(self.device)
         self._plane = None
         self._zc = None  # receivers release their imports when they close
-        self._ck = None  # its device intermediates go with the buffers
+        self._packer = None  # its checksum intermediates go with the buffers
         self._buffers = []
         for link in self._links.values():
             link.close()
