@@ -17,9 +17,13 @@ GPU (2x H200): random Qwen3-8B-shaped bf16 weights are generated on GPU0, the en
     python benchmarks/bench_transport.py --tag h200x2     # = --device cuda --preset qwen3-8b --backends nccl,ipc
                                                          #   --quantization none,fp8_block --bucket-mb 64,256,1024,2048
 
-CPU (small model, gloo and shm, plus 50 updates for RSS)::
+Colocated on one GPU, buffered ipc next to zero-copy ipc (``+zc``: engines copy from the trainer's tensors)::
 
-    python benchmarks/bench_transport.py --device cpu --preset bench --backends gloo,shm --bucket-mb 1,4,16
+    python benchmarks/bench_transport.py --backends ipc,ipc+zc --bucket-mb 2048 --tag h200_ipc_zc
+
+CPU (small model, gloo, shm and zero-copy shm, plus 50 updates for RSS)::
+
+    python benchmarks/bench_transport.py --device cpu --preset bench --backends gloo,shm,shm+zc --bucket-mb 1,4,16
 
 Results: ``benchmarks/results/transport_<tag>.{json,md,png}`` (tag: --tag, default 'cpu' or 'gpu').
 """
@@ -242,7 +246,7 @@ def _run(args: argparse.Namespace, name: str, quantization: str | None) -> dict[
 def _rss_run(args: argparse.Namespace) -> dict[str, Any]:
     """50 updates over gloo on CPU: RSS of both processes after the warm-up and at the end."""
     spec = dict(backend="gloo", device="cpu", preset=args.preset, quantization=None, bucket_mb=[args.bucket_mb[0]],
-                repeats=args.rss_updates, warmup=10, checksum=True, verify=args.verify)
+                repeats=args.rss_updates, warmup=10, checksum=True, verify=args.verify, num_buffers=args.num_buffers)
     trainer, _ = run_distributed(bench_rank, 2, spec, timeout_s=args.timeout_s)
     row = trainer["buckets"][0]
     return {"updates": args.rss_updates, "trainer_rss_after_warmup": row["rss_after_warmup"],
@@ -377,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = args.device == "cuda"
     args.preset = args.preset or ("qwen3-8b" if cuda else "bench")
-    default_backends = ("nccl,ipc" if torch.cuda.device_count() >= 2 else "ipc") if cuda else "gloo,shm"
+    default_backends = ("nccl,ipc" if torch.cuda.device_count() >= 2 else "ipc") if cuda else "gloo,shm,shm+zc"
     backends = (args.backends or default_backends).split(",")
     args.bucket_mb = [int(x) for x in (args.bucket_mb or ("64,256,1024,2048" if cuda else "1,4,16")).split(",")]
     quants = [None if q == "none" else q for q in (args.quantization or ("none,fp8_block" if cuda else "none")).split(",")]

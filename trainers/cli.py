@@ -15,7 +15,7 @@ def _run(args: argparse.Namespace) -> int:
     config = DemoConfig(
         steps=args.steps, quantization=None if args.quantization == "none" else args.quantization,
         seed=args.seed, out_dir=Path(args.out), verify=not args.no_verify, lr=args.lr,
-        transport=args.transport, workers=args.workers,
+        transport=args.transport, workers=args.workers, zero_copy=args.zero_copy,
     )
     results = run_demo(config)
     first, last = results[0].reward, max(r.reward for r in results[-3:])
@@ -46,6 +46,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="how weights reach the engines: 'inproc' (engine in this process) or a transport "
                         "backend to engine worker processes (default gloo: trainer process + engine process)")
     p.add_argument("--workers", type=int, default=1, help="engine worker processes (transports other than inproc)")
+    p.add_argument("--zero-copy", action="store_true",
+                   help="ipc/shm: engines copy straight from the trainer's parameters (exported once), no buffers")
     p.set_defaults(func=_run)
 
 

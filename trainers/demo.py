@@ -52,6 +52,7 @@ class DemoConfig:
     transport: str = "gloo"
     workers: int = 1
     bucket_bytes: int = 1 << 20
+    zero_copy: bool = False
 
     def __post_init__(self) -> None:
         for name in ("steps", "prompts_per_step", "samples_per_prompt", "new_tokens"):
@@ -61,6 +62,8 @@ class DemoConfig:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if self.workers < 1 or (self.transport == "inproc" and self.workers != 1):
             raise ValueError(f"workers must be >= 1 (exactly 1 with transport 'inproc'), got {self.workers}")
+        if self.zero_copy and self.transport not in ("ipc", "shm"):
+            raise ValueError(f"zero_copy needs transport 'ipc' or 'shm', got {self.transport!r}")
         if self.samples_per_prompt < 2:
             raise ValueError("samples_per_prompt must be >= 2 (advantages are relative within a group)")
 
@@ -157,8 +160,10 @@ def _start_workers(config: DemoConfig, ckpt: Path):
         devices = ["cpu"] * config.workers
     workers = EngineProcesses(str(ckpt), config.workers, devices=devices, quantization=config.quantization)
     try:
+        # zero_copy: engines read the trainer's parameters in place (no buffers, no checksums).
         sender = WeightSender(TransportConfig(backend=config.transport, bucket_bytes=config.bucket_bytes,
-                                              timeout_s=120), num_receivers=config.workers)
+                                              timeout_s=120, zero_copy=config.zero_copy,
+                                              checksum=not config.zero_copy), num_receivers=config.workers)
         workers.submit_each("init_weight_transfer_engine",
                             [({"address": sender.address, "rank": i + 1},) for i in range(config.workers)])
         sender.connect()

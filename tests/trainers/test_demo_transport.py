@@ -14,6 +14,12 @@ def test_demo_over_gloo_with_an_engine_process_passes_its_fingerprint_checks(tmp
     assert (tmp_path / "results.json").exists()
 
 
+def test_demo_over_zero_copy_shm_with_two_engine_processes_passes_its_fingerprint_checks(tmp_path: Path) -> None:
+    # The trainer's parameters move into shared memory once; the optimizer keeps updating them in place.
+    assert main(["demo", "--steps", "3", "--transport", "shm", "--zero-copy", "--workers", "2",
+                 "--out", str(tmp_path)]) == 0
+
+
 def test_demo_exits_non_zero_when_an_engine_differs_from_the_trainer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                      capsys: pytest.CaptureFixture) -> None:
     import trainers.demo
@@ -28,6 +34,7 @@ def test_demo_over_ipc_on_one_gpu_passes_its_fingerprint_checks(tmp_path: Path) 
     from trainers.cli import main as trainers_main
 
     assert trainers_main(["demo", "--steps", "2", "--transport", "ipc", "--out", str(tmp_path)]) == 0
+    assert trainers_main(["demo", "--steps", "2", "--transport", "ipc", "--zero-copy", "--out", str(tmp_path)]) == 0
 
 
 @pytest.mark.multi_gpu
