@@ -119,6 +119,26 @@ def _interleaved_ms(fns: dict[str, Any], device: torch.device, *, warmup: int, r
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
+def _loop_ms(fns: dict[str, Any], device: torch.device, *, steps: int, repeats: int) -> dict[str, float]:
+    """Median ms per forward of ``steps`` forwards issued back to back, as a denoising loop runs them.
+
+    The device is synchronized only around the whole loop: a load the streamer queued for the next
+    forward (wrap-around prefetch) overlaps this one instead of being charged to it, which a per-forward
+    synchronization of every stream does. Variants are interleaved per repeat.
+    """
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            fn()
+            _sync(device)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                fn()
+            _sync(device)
+            samples[name].append((time.perf_counter() - t0) * 1e3 / steps)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
 def measure_single(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
     """Resident, per-block compute/H2D, ours and diffusers for every token count, interleaved."""
     torch.manual_seed(0)
@@ -241,6 +261,8 @@ def _dp_rank(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
     resident_persistent = _mem(device) - before
     with torch.no_grad():
         resident_ms = timed_ms(partial(resident, x, t), device, warmup=w, repeats=r)
+        resident_loop_ms = _loop_ms({"resident": partial(resident, x, t)}, device, steps=opts["loop_steps"],
+                                    repeats=r)["resident"]
         expected = resident(x, t)
         activations = _forward_peak_delta(partial(resident, x, t), device)
     del resident
@@ -268,6 +290,7 @@ def _dp_rank(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
     with torch.no_grad():
         # Same order on every rank: each variant's collectives run on its own communicator, in order.
         ms = _interleaved_ms(fns, device, warmup=w, repeats=r)
+        loop = _loop_ms(fns, device, steps=opts["loop_steps"], repeats=r)
         out: dict[str, dict[str, Any]] = {}
         for name, handle in handles.items():
             delta = _forward_peak_delta(fns[name], device)
@@ -277,6 +300,7 @@ def _dp_rank(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
             m = handle.metrics()
             out[name] = {
                 "ms": ms[name], "ratio": ms[name] / resident_ms,
+                "loop_ms": loop[name], "loop_ratio": loop[name] / resident_loop_ms,
                 "vs_bound": ms[name] / resident_ms / bound, "bitwise_equal": equal,
                 "host_bytes_ratio": m["host_bytes"] / m["block_bytes"], "metrics": m, "trace": spans,
                 "peak_bytes": None if delta is None else persistent[name] + delta,
@@ -287,7 +311,9 @@ def _dp_rank(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
     for handle in handles.values():
         handle.disable()
     ag, ld = out["allgather"], out["landing"]
-    return {"rank": rank, "resident_ms": resident_ms,
+    return {"rank": rank, "resident_ms": resident_ms, "resident_loop_ms": resident_loop_ms,
+            "loop_steps": opts["loop_steps"],
+            "loop": {name: {"ms": o["loop_ms"], "ratio": o["loop_ratio"]} for name, o in out.items()},
             "resident_peak_bytes": None if activations is None else resident_persistent + activations,
             "activation_bytes": activations,
             "h2d_shard_ms_concurrent": h2d_shard_ms,
@@ -313,7 +339,7 @@ def measure_dp(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
     from weight_sync.testing import run_distributed
 
     opts = {"device": device.type, "dtype": args.dtype, "tokens": args.dp_tokens,
-            "warmup": args.warmup, "repeats": args.repeats,
+            "warmup": args.warmup, "repeats": args.repeats, "loop_steps": args.loop_steps,
             "dit": {"hidden": args.hidden, "heads": args.heads, "num_blocks": args.num_blocks,
                     "in_channels": args.in_channels, "time_dim": 256}}
     results = run_distributed(_dp_rank, args.dp, opts, backend="nccl" if device.type == "cuda" else "gloo",
@@ -463,6 +489,17 @@ def write_report(result: dict[str, Any], tag: str) -> Path:
                   "compute + H2D + gather per two blocks); landing buffers (`dlo_landing_buffers`, 2 x one "
                   "shard of device memory, budget = non-block + 2 slots + 2 landing buffers + activations) "
                   "let the copy run ahead and only the gather wait for the slot."]
+        if "loop" in dp["ranks"][0]:
+            steps = dp["ranks"][0]["loop_steps"]
+            lines += ["", f"Denoising loop: {steps} forwards issued back to back, one synchronization around "
+                      "the loop (a load queued for the next forward overlaps this one), ms per forward:", "",
+                      "| rank | resident | AllGather | / resident | AllGather + landing | / resident |",
+                      "|---|---|---|---|---|---|"]
+            for r in dp["ranks"]:
+                lp = r["loop"]
+                lines.append(f"| {r['rank']} | {r['resident_loop_ms']:.2f} | {lp['allgather']['ms']:.2f} | "
+                             f"{lp['allgather']['ratio']:.2f} | {lp['landing']['ms']:.2f} | "
+                             f"{lp['landing']['ratio']:.2f} |")
     elif dp:
         lines += ["", f"AllGather: {dp.get('skipped')}"]
     for name in result.get("timelines", []):
@@ -487,6 +524,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--dp", type=int, default=0, help="also measure AllGather over this many ranks")
     p.add_argument("--dp-tokens", type=int, default=None)
+    p.add_argument("--loop-steps", type=int, default=6,
+                   help="AllGather: forwards per back-to-back loop (a denoising loop's steps) for the loop timing")
     p.add_argument("--trace-tokens", type=int, default=None, help="token count for the timeline PNG")
     p.add_argument("--tag", default=None)
     p.add_argument("--threads", type=int, default=None, help="CPU intra-op threads (default: 1 on CPU)")

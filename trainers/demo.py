@@ -116,6 +116,8 @@ def run_demo(config: DemoConfig) -> list[StepResult]:
     out.mkdir(parents=True, exist_ok=True)
     ckpt = make_checkpoint(out / "policy-init", seed=config.seed, dtype=torch.float32)
     trainer = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    if config.transport == "ipc" and config.zero_copy:
+        trainer.to("cuda:0")  # zero-copy ipc exports the trainer's own tensors: they must be on the GPU
     trainer.train()
     opt = torch.optim.Adam(trainer.parameters(), lr=config.lr)
     engine, workers, sender = None, None, None
@@ -212,7 +214,8 @@ def _loop(config, trainer, opt, engine, workers, sender, manifest, targets, gen,
         grouped = rewards.view(config.prompts_per_step, config.samples_per_prompt)
         adv = (grouped - grouped.mean(-1, keepdim=True)).view(-1)
         full = torch.cat([torch.tensor(batch), comp], dim=1)
-        loss = -(adv * _sequence_logprobs(trainer, full, 4)).mean()
+        device = next(trainer.parameters()).device
+        loss = -(adv.to(device) * _sequence_logprobs(trainer, full.to(device), 4)).mean()
         opt.zero_grad()
         loss.backward()
         opt.step()
