@@ -195,7 +195,7 @@ class WeightReceiver:
             events: list[Any] | None = None
             try:
                 if params.zero_copy:
-                    self._zc = RegionImporter(params.backend, self.rank)
+                    self._zc = RegionImporter(params.backend, self.rank, device)
                     if params.backend == "ipc":
                         handle = json.loads(store.get(f"{PREFIX}/events"))[0]
                         self._zc_event = torch.cuda.Event.from_ipc_handle(device, b64decode(handle))

@@ -43,8 +43,10 @@ from weight_sync.manifest import TensorMeta
 from weight_sync.transport.buffers import export_ipc_buffer, import_ipc_buffer
 from weight_sync.transport.wire import IpcBufferHandle
 
-__all__ = ["RegionExporter", "RegionImporter"]
+__all__ = ["EMPTY", "RegionExporter", "RegionImporter", "load_in_place"]
 
+# The region id of a tensor without bytes (nothing is exported for it).
+EMPTY = -1
 # torch's file-system sharing names its segments '/torch_<pid>_<random>_<counter>'.
 _TORCH_SHM_NAME = re.compile(r"^/torch_[0-9]+_[0-9]+_[0-9]+$")
 
@@ -99,6 +101,9 @@ class RegionExporter:
         rows: list[list[int]] = []
         try:
             for t in tensors:
+                if t.numel() == 0:
+                    rows.append([EMPTY, 0])  # nothing to map: receivers make an empty tensor
+                    continue
                 storage = t.untyped_storage()
                 region = self._regions.get(id(storage))
                 if region is None or region.ref() is not storage:
@@ -177,9 +182,10 @@ class RegionExporter:
 class RegionImporter:
     """Receiver side: one import per region, kept until the sender drops it (or resets, or close)."""
 
-    def __init__(self, backend: str, rank: int) -> None:
+    def __init__(self, backend: str, rank: int, device: torch.device) -> None:
         self.backend = backend
         self.rank = rank
+        self.device = device  # where empty tensors are made
         self._regions: dict[int, torch.Tensor] = {}
         # Views of the last table per (first, count) (mirrors the sender's table cache).
         self._views: dict[tuple[int, int], list[tuple[str, torch.Tensor]]] = {}
@@ -256,6 +262,9 @@ class RegionImporter:
             )
         out = []
         for (rid, offset), meta in zip(rows, metas):
+            if rid == EMPTY and meta.nbytes == 0:
+                out.append((meta.name, torch.empty(meta.shape, dtype=meta.dtype, device=self.device)))
+                continue
             region = self._regions.get(int(rid))
             if region is None:
                 raise TransportError(f"[rank {self.rank}] zero-copy: {meta.name!r} is in region {rid}, never exported")
