@@ -1,8 +1,9 @@
 """Probe: what slows a rank's shard H2D copy inside DLO's AllGather pipeline on 2 GPUs?
 
-Each rank copies half a Flux block (113.4 MB) from pinned memory, back to back, while (a) nothing else,
-(b) bf16 GEMMs of a block's size, (c) NCCL all-gathers of the same shards, (d) both run on other streams
-of its GPU; every rank copies at once, as in the pipeline. Prints the median ms and GB/s per copy.
+Each rank copies half a Flux block (113.4 MB) from pinned memory, back to back, while nothing else, bf16
+GEMMs of a block's size, NCCL all-gathers of the same shards, both, device-to-device copies (HBM-bound)
+or flash attention over 4096 tokens run on other streams of its GPU; every rank copies at once, as in the
+pipeline. Prints the median ms and GB/s per copy.
 
     python scripts/dlo_contention_probe.py [--mb 113.4] [--copies 12]
 """
@@ -27,20 +28,29 @@ def _rank(rank: int, world: int, mb: float, copies: int) -> dict[str, float]:
     gathered = torch.empty(n * world, dtype=torch.uint8, device=dev)
     a = torch.randn(4096, 3072, dtype=torch.bfloat16, device=dev)
     b = torch.randn(3072, 12288, dtype=torch.bfloat16, device=dev)
+    big = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    big2 = torch.empty_like(big)
+    q = torch.randn(1, 24, 4096, 128, dtype=torch.bfloat16, device=dev)
     h2d, comp, comm = (torch.cuda.Stream(dev) for _ in range(3))
     group = dist.new_group(backend="nccl")
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     out: dict[str, float] = {}
-    for label, with_compute, with_gather in (("alone", False, False), ("+compute", True, False),
-                                             ("+allgather", False, True), ("+both", True, True)):
+    kernels = {
+        "gemm": lambda: torch.matmul(a, b),  # ~0.25 ms each
+        "hbm copy": lambda: big2.copy_(big),  # ~0.5 ms each, memory-bound
+        "attention": lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q),
+    }
+    for label, background, with_gather in (("alone", None, False), ("+gemm", "gemm", False),
+                                           ("+allgather", None, True), ("+gemm+allgather", "gemm", True),
+                                           ("+hbm copy", "hbm copy", False), ("+attention", "attention", False)):
         times = []
         for rep in range(3):
             dist.barrier(group=group, device_ids=[rank])
             torch.cuda.synchronize(dev)
-            if with_compute:
+            if background is not None:
                 with torch.cuda.stream(comp):
-                    for _ in range(40 * copies):  # ~0.25 ms each: longer than the copies
-                        torch.matmul(a, b)
+                    for _ in range(40 * copies):  # longer than the copies
+                        kernels[background]()
             if with_gather:
                 with torch.cuda.stream(comm):
                     for _ in range(6 * copies):
