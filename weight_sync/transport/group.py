@@ -69,6 +69,30 @@ def poll(done: Callable[[], bool], deadline: Deadline, on_timeout: Callable[[], 
     return True
 
 
+# A gloo wait blocks in slices this long (the GIL released): it wakes the moment the work completes, and
+# between slices the deadline (and a KeyboardInterrupt) is checked.
+_BLOCK_SLICE_S = 0.05
+
+
+def wait_gloo(work: Any, deadline: Deadline, on_timeout: Callable[[], BaseException]) -> bool:
+    """Wait for a gloo work by blocking on it (no polling overshoot); returns whether it waited.
+
+    ``work.wait(timeout)`` raises "timed out" when a slice ends before the work does and leaves the work
+    pending, so the wait resumes; any other error, or an error of the completed work, propagates.
+    """
+    if work.is_completed():
+        return False
+    while True:
+        try:
+            work.wait(timedelta(seconds=max(1e-3, min(_BLOCK_SLICE_S, deadline.remaining()))))
+            return True
+        except RuntimeError as e:
+            if work.is_completed() or "timed out" not in str(e).lower():
+                raise
+        if deadline.expired():
+            raise on_timeout()
+
+
 def node_address() -> str:
     """This node's IP as Ray sees it when Ray is running, else the host name's address (or loopback).
 
@@ -221,8 +245,12 @@ class Channel:
             log.warning("[rank %d] NCCL teardown did not finish within %.0f s; left to a daemon thread",
                         self.rank, self.timeout_s)
 
-    def wait(self, work: Any, phase: str, timeout_s: float | None = None) -> None:
-        """Wait for ``work`` with a deadline; a timeout or comm error breaks the channel and raises."""
+    def wait(self, work: Any, phase: str, timeout_s: float | None = None, *, gloo: bool = False) -> None:
+        """Wait for ``work`` with a deadline; a timeout or comm error breaks the channel and raises.
+
+        gloo: the work is a gloo collective (the control group's), so the host blocks on it in slices and
+        wakes when it completes; other works (NCCL) are polled, since their ``wait`` is a stream wait.
+        """
         deadline = Deadline(self.timeout_s if timeout_s is None else timeout_s)
 
         def timed_out() -> BaseException:
@@ -231,9 +259,12 @@ class Channel:
             self.fail(msg)
             return TransportTimeout(msg)
 
-        self.count("comm", poll(work.is_completed, deadline, timed_out))
         try:
+            waited = (wait_gloo(work, deadline, timed_out) if gloo
+                      else poll(work.is_completed, deadline, timed_out))
             work.wait()
+        except TransportTimeout:
+            raise  # our deadline (timed_out already broke the channel)
         except Exception as e:
             # gloo reports its own deadline as an error; keep it a timeout for the caller.
             is_timeout = "timed out" in str(e).lower() or "timeout" in type(e).__name__.lower()
@@ -241,6 +272,7 @@ class Channel:
             msg = f"[rank {self.rank}] {phase}: communication with {self.peers} {what}: {e}"
             self.fail(msg)
             raise (TransportTimeout if is_timeout else TransportError)(msg) from e
+        self.count("comm", waited)
 
     def wait_event(self, event: Any, phase: str, what: str = "the device") -> None:
         """Wait (with the channel's deadline) until a CUDA event completed; a timeout breaks the channel.
@@ -283,7 +315,7 @@ class Channel:
                 head[8 : 8 + len(first)] = torch.frombuffer(bytearray(first), dtype=torch.uint8)
         self.count("control")
         w = self.guard(phase, lambda: self.group.broadcast([head], opts))
-        self.wait(w, phase, timeout_s)
+        self.wait(w, phase, timeout_s, gloo=True)
         n = int(head[:8].view(torch.int64)[0])
         if not 0 <= n < _MAX_MESSAGE_BYTES:
             msg = f"[rank {self.rank}] {phase}: a control message announced {n} bytes"
@@ -296,7 +328,7 @@ class Channel:
                 assert payload is not None
                 body.copy_(torch.frombuffer(bytearray(payload[room:]), dtype=torch.uint8))
             w = self.guard(phase, lambda: self.group.broadcast([body], opts))
-            self.wait(w, phase, timeout_s)
+            self.wait(w, phase, timeout_s, gloo=True)
             rest = bytes(body.numpy().tobytes())
         if self.rank == 0:
             return payload  # type: ignore[return-value]
@@ -311,7 +343,7 @@ class Channel:
         out = [torch.empty(STATUS_SLOT_BYTES, dtype=torch.uint8) for _ in range(self.size)]
         self.count("control")
         w = self.guard(phase, lambda: self.group.allgather([out], [mine]))
-        self.wait(w, phase)
+        self.wait(w, phase, gloo=True)
         return [RankStatus.from_bytes(bytes(t.numpy().tobytes()), r) for r, t in enumerate(out)]
 
     def allreduce_max(self, values: torch.Tensor, phase: str) -> Any:
