@@ -24,9 +24,7 @@ from typing import Any
 
 import torch
 
-from weight_sync.checksum import (
-    prepare_checksum,
-)
+from weight_sync.checksum import prepare_checksum
 from weight_sync.errors import ManifestError, TransportError
 from weight_sync.layers.streams import device_shim
 from weight_sync.manifest import Manifest, TensorMeta, dtype_to_str
