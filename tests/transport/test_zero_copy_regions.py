@@ -89,3 +89,24 @@ def test_tensors_the_backend_cannot_share_and_tables_that_do_not_fit_are_rejecte
         importer.views([[99, 0]], (TensorMeta("w", torch.float32, (4,)),))
     with pytest.raises(TransportError, match="exported twice"):
         importer.add(regions)
+
+
+class _RecordingExporter(RegionExporter):
+    """Bookkeeping only: records exports instead of sharing memory."""
+
+    def _export(self, region_id: int, storage: torch.UntypedStorage) -> dict:
+        return {"id": region_id, "nbytes": storage.nbytes()}
+
+
+def test_a_storage_resized_in_place_is_exported_again_and_its_old_region_dropped() -> None:
+    # FSDP-style trainers free and re-allocate a parameter's memory with storage.resize_ (same object).
+    exporter = _RecordingExporter("shm", torch.device("cpu"), [1])
+    w = torch.zeros(1024)
+    first, _ = exporter.table([w])
+    storage = w.untyped_storage()
+    storage.resize_(0)
+    storage.resize_(8192)  # new memory (on CUDA never the old block: the import keeps it in IPC limbo)
+    again, _ = exporter.table([w])
+    assert [r["id"] for r in again] == [first[0]["id"] + 1]
+    assert exporter.control()["drop"] == [first[0]["id"]] and len(exporter) == 1
+    assert exporter.table([w])[0] == [], "unchanged memory is not exported again"

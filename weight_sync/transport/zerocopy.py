@@ -59,6 +59,8 @@ def _whole_storage(storage: torch.UntypedStorage) -> torch.Tensor:
 class _Region:
     id: int
     ref: weakref.ref[torch.UntypedStorage]
+    ptr: int  # the storage's memory when exported: a storage resized in place (FSDP frees and
+    nbytes: int  # re-allocates parameters that way) holds new memory and needs a new export
 
 
 class RegionExporter:
@@ -106,17 +108,20 @@ class RegionExporter:
                     continue
                 storage = t.untyped_storage()
                 region = self._regions.get(id(storage))
-                if region is None or region.ref() is not storage:
+                if (region is None or region.ref() is not storage or region.ptr != storage.data_ptr()
+                        or region.nbytes != storage.nbytes()):
                     if region is not None:
-                        # id() reused by a new storage after the old one died: the old region goes.
+                        # id() reused by a new storage after the old one died, or the storage was
+                        # resized in place: the old region goes.
                         self._dropped.append(region.id)
-                    region = _Region(self._next_id, weakref.ref(storage))
-                    new.append(self._export(region.id, storage))
+                    rid = self._next_id
+                    new.append(self._export(rid, storage))
+                    # Recorded after the export, which may have moved a CPU storage into shared memory.
+                    region = _Region(rid, weakref.ref(storage), storage.data_ptr(), storage.nbytes())
                     self._next_id += 1
                     self.exported += 1
                     self._regions[id(storage)] = region
-                # Read after the export, which may have moved a CPU storage into shared memory (the
-                # offset does not change).
+                # The offset in the storage does not change when the export moves it.
                 rows.append([region.id, int(t.storage_offset()) * t.element_size()])
         except BaseException:
             self._orphans = new
