@@ -27,10 +27,11 @@ def llm(vllm_ckpts: dict[str, Path], fresh_tokens):
 class Trainer:
     """A spawned trainer process running ``steps``; ``address`` is its sender's rendezvous address."""
 
-    def __init__(self, steps: list[tuple[str, Path]]) -> None:
+    def __init__(self, steps: list[tuple[str, Path]], zero_copy: bool = False) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=run_trainer, args=(child, [(k, str(p)) for k, p in steps], TIMEOUT_S))
+        self.proc = ctx.Process(target=run_trainer,
+                                args=(child, [(k, str(p)) for k, p in steps], TIMEOUT_S, zero_copy))
         self.proc.start()
         self.address = self.recv()
 
@@ -68,6 +69,21 @@ def test_updates_from_a_trainer_process_serve_like_fresh_engines_and_a_to_b_to_a
     assert trainer.recv() == "committed 2"
     assert greedy(llm) == fresh_tokens["a"]
     assert llm.collective_rpc("ws_fingerprint")[0] == fp_a
+    assert trainer.recv() == "done"
+    assert trainer.join() == 0
+
+
+def test_a_zero_copy_shm_trainer_updates_the_live_engine_like_a_fresh_one(llm, vllm_ckpts, fresh_tokens) -> None:
+    # The engine's workers copy straight from the trainer process's tensors (its checkpoint files, moved
+    # into shared memory once per update).
+    trainer = Trainer([("good", vllm_ckpts["b"]), ("good", vllm_ckpts["a"])], zero_copy=True)
+    llm.init_weight_transfer_engine({"init_info": {"address": trainer.address}})
+    _update(llm, "b")
+    assert trainer.recv() == "committed 1"
+    assert greedy(llm) == fresh_tokens["b"]
+    _update(llm, "a")
+    assert trainer.recv() == "committed 2"
+    assert greedy(llm) == fresh_tokens["a"]
     assert trainer.recv() == "done"
     assert trainer.join() == 0
 

@@ -34,11 +34,13 @@ def _dying(manifest: Manifest, tensors: dict[str, torch.Tensor]):
         yield name, tensors[name]
 
 
-def run_trainer(conn: Any, steps: list[tuple[str, str]], timeout_s: float) -> None:
+def run_trainer(conn: Any, steps: list[tuple[str, str]], timeout_s: float, zero_copy: bool = False) -> None:
     """Steps: ("good", ckpt) a full update; ("bad_shape", ckpt) a manifest announcing a wrong shape;
-    ("die", ckpt) start an update and get SIGKILLed in the middle of sending it."""
-    sender = WeightSender(TransportConfig(backend="gloo", bucket_bytes=64 << 10, timeout_s=timeout_s),
-                          num_receivers=1)
+    ("die", ckpt) start an update and get SIGKILLed in the middle of sending it. zero_copy: shm zero-copy
+    (the engine copies from this process's tensors) instead of gloo buckets."""
+    config = (TransportConfig(backend="shm", zero_copy=True, checksum=False, timeout_s=timeout_s) if zero_copy
+              else TransportConfig(backend="gloo", bucket_bytes=64 << 10, timeout_s=timeout_s))
+    sender = WeightSender(config, num_receivers=1)
     conn.send(sender.address)
     sender.connect()
     for i, (kind, path) in enumerate(steps, start=1):
