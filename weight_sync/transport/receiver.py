@@ -26,9 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from weight_sync.checksum import (
-    prepare_checksum,
-)
+from weight_sync.checksum import prepare_checksum
 from weight_sync.errors import TransportError, TransportTimeout, UpdateStateError
 from weight_sync.layers.streams import device_shim
 from weight_sync.manifest import Manifest
@@ -123,9 +121,8 @@ class WeightReceiver:
         self._plane: BroadcastReceiverPlane | SharedReceiverPlane | None = None
         self._buffers: list[torch.Tensor] = []
         self._staging: torch.Tensor | None = None
-        # Per-call check table on the buffer device (grown to the most buckets a call has had, then reused)
-        # and its pinned host mirror for the read back.
-        self._checks: BucketChecks | None = None  # set at connect
+        # Each bucket's trailer and checksum, recorded on the device and read back per call; set at connect.
+        self._checks: BucketChecks | None = None
         self._layouts: LayoutCache | None = None  # bucket layouts by call, set at connect
         self._link: Link | None = None
         self._zc: RegionImporter | None = None  # zero-copy: the sender's storages, imported once
@@ -479,7 +476,8 @@ class WeightReceiver:
     def _on_zero_copy_call(self, header: ControlHeader, error: BaseException | None) -> int:
         """A call without buffers: import the new regions, load from the sender's memory in place."""
         assert self._channel is not None
-        zc, table = header.zero_copy or {}, (header.zero_copy or {}).get("table")
+        zc = header.zero_copy or {}
+        table = zc.get("table")
         loaded = 0
         try:
             if self._zc is None:

@@ -70,6 +70,9 @@ class TransferReport:
     num_bytes: int
     num_buckets: int
     seconds: float
+    # The update_weights calls until their last bucket was handed over: the last broadcast completed
+    # (nccl/gloo), every receiver released every bucket (buffered shm/ipc), or every receiver loaded and
+    # reported (zero-copy). The call's status exchange is outside it except for zero-copy.
     transfer_seconds: float
     receivers: list[dict[str, Any]] = field(default_factory=list)
     host_waits: dict[str, int] = field(default_factory=dict)
