@@ -21,6 +21,10 @@ class _Work:
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         self.calls += 1
+        if self.done:  # a completed work returns (or raises) its result at once, with or without a timeout
+            if self.error is not None:
+                raise RuntimeError(self.error)
+            return True
         assert timeout is not None and timeout.total_seconds() <= 0.05
         if self.error is not None:
             self.done = True
@@ -61,4 +65,25 @@ def test_a_failed_collective_propagates_its_error_instead_of_being_retried() -> 
     work = _Work(slices=0, error="Connection closed by peer [127.0.0.1]:1234")
     with pytest.raises(RuntimeError, match="Connection closed"):
         wait_gloo(work, Deadline(10.0), _never)
-    assert work.calls == 1
+    assert work.calls == 2  # the failing slice, then the completed work's own result
+
+
+class _CompletesAsTheSliceEnds(_Work):
+    """The slice times out, and the work completes before the waiter looks again (a loaded host)."""
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        if not self.done and timeout is not None:
+            self.calls += 1
+            self.done = True
+            raise RuntimeError("Operation timed out!")
+        return super().wait(timeout)
+
+
+def test_a_work_completing_as_a_slice_times_out_counts_as_completed_not_timed_out() -> None:
+    assert wait_gloo(_CompletesAsTheSliceEnds(slices=0), Deadline(10.0), _never) is True
+
+
+def test_a_work_failing_as_a_slice_times_out_raises_its_own_error() -> None:
+    work = _CompletesAsTheSliceEnds(slices=0, error="Connection closed by peer")
+    with pytest.raises(RuntimeError, match="Connection closed"):
+        wait_gloo(work, Deadline(10.0), _never)
