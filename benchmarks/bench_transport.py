@@ -166,7 +166,7 @@ def bench_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
                                                   verify=spec["verify"]), num_receivers=1)
             store.set(key, sender.address)
             sender.connect()
-            times, data_times, rss = [], [], []
+            times, data_times, call_times, rss = [], [], [], []
             for r in range(spec["warmup"] + repeats):
                 _sync(device)
                 t0 = time.perf_counter()
@@ -175,12 +175,14 @@ def bench_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
                 if r >= spec["warmup"]:
                     times.append(dt)
                     data_times.append(report.transfer_seconds)
+                    call_times.append(report.call_seconds)
                 rss.append(_rss())
             sender.close()
             row.update(sender_waits=report.host_waits,
                        engine_waits=report.receivers[0].get("transport", {}) if report.receivers else {})
             row.update(seconds=statistics.median(times), seconds_all=times, num_buckets=report.num_buckets,
                        gbps=total / statistics.median(times) / 1e9, data_seconds=statistics.median(data_times),
+                       call_seconds=statistics.median(call_times),
                        data_gbps=total / statistics.median(data_times) / 1e9, rss_first=rss[0], rss_last=rss[-1],
                        rss_after_warmup=rss[min(len(rss), spec["warmup"]) - 1])
         else:
@@ -229,10 +231,12 @@ def _run(args: argparse.Namespace, name: str, quantization: str | None) -> dict[
             row["raw_gbps"] = trainer["num_bytes"] / t["raw_s"] / 1e9
             row["ratio_vs_raw"] = t["raw_s"] / t["seconds"]
             row["data_ratio_vs_raw"] = t["raw_s"] / t["data_seconds"]
+            row["call_ratio_vs_raw"] = t["raw_s"] / t["call_seconds"]
         if "copy_s" in trainer:
             row["copy_s"] = trainer["copy_s"]
             row["ratio_vs_copy"] = t["seconds"] / trainer["copy_s"]
             row["data_ratio_vs_copy"] = t["data_seconds"] / trainer["copy_s"]
+            row["call_ratio_vs_copy"] = t["call_seconds"] / trainer["copy_s"]
         if "extra_engine_bytes" in e:
             bucket = t["bucket_mb"] << 20
             buffers = 0 if backend == "ipc" or zero_copy else args.num_buffers * (bucket + TRAILER_BYTES)
@@ -283,21 +287,23 @@ def _markdown(result: dict[str, Any]) -> str:
                   f"{run['num_tensors']} tensors, {run['num_bytes'] / 1e9:.3f} GB per update, largest block "
                   f"{run['largest_block_bytes'] / 1e6:.1f} MB.", ""]
         baseline = "raw broadcast" if run["backend"] in ("nccl", "gloo") else "one device copy"
-        lines.append(f"| bucket MB | buckets | update s (start..commit) | data s (update_weights) | data GB/s | "
-                     f"{baseline} s | data / end-to-end vs baseline | extra engine MB (bound) | "
+        lines.append(f"| bucket MB | buckets | update s (start..commit) | data s | call s (update_weights) | "
+                     f"data GB/s | {baseline} s | data / call / end-to-end vs baseline | extra engine MB (bound) | "
                      "host waits per update: trainer / engine |")
-        lines.append("|---|---|---|---|---|---|---|---|---|")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|")
         for r in run["rows"]:
             if "raw_s" in r:
                 base = f"{r['raw_s']:.4f} ({r['raw_gbps']:.1f} GB/s)"
-                ratio = f"{r['data_ratio_vs_raw']:.3f}x / {r['ratio_vs_raw']:.3f}x of raw throughput"
+                ratio = (f"{r['data_ratio_vs_raw']:.3f}x / {r['call_ratio_vs_raw']:.3f}x / {r['ratio_vs_raw']:.3f}x "
+                         "of raw throughput")
             else:
                 base = f"{r['copy_s']:.4f}"
-                ratio = f"{r['data_ratio_vs_copy']:.2f}x / {r['ratio_vs_copy']:.2f}x the copy time"
+                ratio = (f"{r['data_ratio_vs_copy']:.2f}x / {r['call_ratio_vs_copy']:.2f}x / {r['ratio_vs_copy']:.2f}x "
+                         "the copy time")
             mem = (f"{r['extra_engine_bytes'] / 1e6:.0f} ({r['memory_bound_bytes'] / 1e6:.0f})"
                    if "extra_engine_bytes" in r else "n/a (CPU)")
             lines.append(f"| {r['bucket_mb']} | {r['num_buckets']} | {r['seconds']:.4f} | {r['data_seconds']:.4f} | "
-                         f"{r['data_gbps']:.2f} | {base} | {ratio} | {mem} | {_waits(r.get('sender_waits'))} / "
+                         f"{r['call_seconds']:.4f} | {r['data_gbps']:.2f} | {base} | {ratio} | {mem} | {_waits(r.get('sender_waits'))} / "
                          f"{_waits(r.get('engine_waits'))} |")
         lines.append("")
     if result.get("rss"):
@@ -318,7 +324,9 @@ def _markdown(result: dict[str, Any]) -> str:
               "their check and load of the last bucket and the call's status exchange fall outside it); "
               "buffered shm/ipc, until every receiver released every bucket (all loaded); zero-copy, until "
               "every receiver loaded and reported (the status exchange included: the loads happen inside "
-              "it). The raw "
+              "it). 'call' is TransferReport.call_seconds, the update_weights call from entry to return as the "
+              "trainer sees it (for nccl/gloo and buffered links: data plus the receivers' check and load of "
+              "the last bucket and the status exchange). The raw "
               "baseline broadcasts the same bytes in buckets of the same size with two buffers on a fresh group "
               "of the same backend, between the same processes, in the same run; the copy baseline is one "
               "flat device copy of the same bytes. Zero-copy runs ('+zc') use no buffers and no checksums: each "
@@ -398,13 +406,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[bench] {backend} quantization={q or 'none'} buckets={args.bucket_mb} MiB", flush=True)
             run = _run(args, backend, q)
             for r in run["rows"]:
-                extra = (f" raw {r['raw_gbps']:.2f} GB/s, ratio data {r['data_ratio_vs_raw']:.3f} / end-to-end "
-                         f"{r['ratio_vs_raw']:.3f}" if "raw_s" in r
-                         else f" copy {r['copy_s']:.4f} s, data {r['data_ratio_vs_copy']:.2f}x / end-to-end "
-                              f"{r['ratio_vs_copy']:.2f}x the copy")
+                extra = (f" raw {r['raw_gbps']:.2f} GB/s, ratio data {r['data_ratio_vs_raw']:.3f} / call "
+                         f"{r['call_ratio_vs_raw']:.3f} / end-to-end {r['ratio_vs_raw']:.3f}" if "raw_s" in r
+                         else f" copy {r['copy_s']:.4f} s, data {r['data_ratio_vs_copy']:.2f}x / call "
+                              f"{r['call_ratio_vs_copy']:.2f}x / end-to-end {r['ratio_vs_copy']:.2f}x the copy")
                 mem = (f", extra engine {r['extra_engine_bytes'] / 1e6:.0f} MB (bound {r['memory_bound_bytes'] / 1e6:.0f})"
                        if "extra_engine_bytes" in r else "")
-                print(f"  bucket {r['bucket_mb']} MiB: update {r['seconds']:.4f} s, data {r['data_seconds']:.4f} s "
+                print(f"  bucket {r['bucket_mb']} MiB: update {r['seconds']:.4f} s, data {r['data_seconds']:.4f} s, "
+                      f"call {r['call_seconds']:.4f} s "
                       f"({r['data_gbps']:.2f} GB/s){extra}{mem}", flush=True)
                 print(f"    host waits per update: trainer {_waits(r.get('sender_waits'))}; "
                       f"engine {_waits(r.get('engine_waits'))}", flush=True)

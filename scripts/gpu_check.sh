@@ -2,6 +2,7 @@
 # GPU tests and GPU benchmarks, run on the device machine (H200, torch 2.11 + CUDA 13, no install).
 #
 #   bash scripts/gpu_check.sh [limits] [tests] [reload] [offload] [transport] [multi]   (default: all)
+#   (transport = transport_ipc transport_sweep transport_nccl, each also a phase of its own)
 #
 # Logs go to ./gpu_out; benchmark JSON/markdown/PNG go to benchmarks/results/. When $OUT is set (the
 # device tool's output folder, which returns at most 8 files) both are packed into $OUT/gpu_results.tgz. Pure-Python wheels the machine lacks (diffusers)
@@ -20,6 +21,11 @@ fi
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 phases=("$@")
 [ ${#phases[@]} -eq 0 ] && phases=(limits tests reload offload transport multi)
+expanded=()
+for p in "${phases[@]}"; do
+  if [ "$p" = transport ]; then expanded+=(transport_ipc transport_sweep transport_nccl); else expanded+=("$p"); fi
+done
+phases=("${expanded[@]}")
 status=0
 
 step() {  # step NAME TIMEOUT_S CMD...: run, log to $OUT/NAME.log, print the tail
@@ -56,10 +62,15 @@ for phase in "${phases[@]}"; do
       step bench_offload 480 python3 benchmarks/bench_offload.py --tag h200
       step offload_demo 240 python3 -m weight_sync.cli offload-demo --device cuda --verify --dlo-no-use-allgather \
         --num-blocks 16 --hidden 3072 --heads 24 --in-channels 64 --tokens 4096 --steps 2 --dtype bfloat16 ;;
-    transport)
-      step bench_transport_ipc 420 python3 benchmarks/bench_transport.py --backends ipc --tag h200
-      step bench_transport_ipc_zc 300 python3 benchmarks/bench_transport.py --backends ipc,ipc+zc --bucket-mb 2048 --tag h200_ipc_zc
-      [ "$NGPU" -ge 2 ] && step bench_transport 540 python3 benchmarks/bench_transport.py --tag h200x2 ;;
+    transport_ipc)  # colocated, one GPU: buffered ipc next to zero-copy, against one device copy
+      step bench_transport_ipc_zc 300 python3 benchmarks/bench_transport.py --backends ipc,ipc+zc --bucket-mb 2048 \
+        --repeats 7 --tag h200_ipc_zc ;;
+    transport_sweep)  # throughput vs bucket size (the PNG)
+      [ "$NGPU" -ge 2 ] && step bench_transport_sweep 420 python3 benchmarks/bench_transport.py --backends nccl,ipc \
+        --quantization none --bucket-mb 256,512,1024,2048 --repeats 3 --warmup 1 --rss-updates 0 --tag h200x2 ;;
+    transport_nccl)  # the acceptance numbers: bf16 and an fp8-block engine at 1 GiB buckets
+      [ "$NGPU" -ge 2 ] && step bench_transport 420 python3 benchmarks/bench_transport.py --backends nccl \
+        --quantization none,fp8_block --bucket-mb 1024 --repeats 9 --tag h200x2_final ;;
     multi)
       if [ "$NGPU" -ge 2 ]; then
         step bench_offload_dp2 420 python3 benchmarks/bench_offload.py --dp 2 --tag h200x2

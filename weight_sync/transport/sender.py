@@ -74,6 +74,9 @@ class TransferReport:
     # (nccl/gloo), every receiver released every bucket (buffered shm/ipc), or every receiver loaded and
     # reported (zero-copy). The call's status exchange is outside it except for zero-copy.
     transfer_seconds: float
+    # The update_weights calls as their caller saw them, entry to return: transfer_seconds plus, for
+    # nccl/gloo/buffered links, the receivers' check and load of the last bucket and the status exchange.
+    call_seconds: float = 0.0
     receivers: list[dict[str, Any]] = field(default_factory=list)
     host_waits: dict[str, int] = field(default_factory=dict)
     """The sender's host waits during the update, by kind (see ``Channel.stats``); each receiver's are in
@@ -113,6 +116,7 @@ class WeightSender:
         self._call = 0
         self._t_start = 0.0
         self._transfer_s = 0.0
+        self._call_s = 0.0
         self._num_buckets = 0
         self._layouts = LayoutCache(config.bucket_bytes, ALIGN_BYTES)
         # (tensors as given, manifest as sent, update seq) of the last manifest every receiver accepted.
@@ -279,6 +283,7 @@ class WeightSender:
         self._manifest, self._version, self._pos, self._call = manifest, version, 0, 0
         self._t_start = time.perf_counter()
         self._transfer_s = 0.0
+        self._call_s = 0.0
         self._num_buckets = 0
         if self._channel is not None:
             self._stats_at_start = dict(self._channel.stats)
@@ -332,6 +337,17 @@ class WeightSender:
     ) -> int:
         """Send the next run of the manifest: ``names`` (default: everything not yet sent), produced by
         ``named_tensors`` in manifest order (a mapping is read in manifest order). Returns the count."""
+        t0 = time.perf_counter()
+        try:
+            return self._update_weights(named_tensors, names)
+        finally:
+            self._call_s += time.perf_counter() - t0
+
+    def _update_weights(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+        names: Iterable[str] | None,
+    ) -> int:
         self._require("open")
         assert self._manifest is not None
         local_error: BaseException | None = None
@@ -481,6 +497,7 @@ class WeightSender:
             version=self._version, backend=self.config.backend, num_tensors=len(self._manifest),
             num_bytes=self._manifest.nbytes, num_buckets=self._num_buckets,
             seconds=time.perf_counter() - self._t_start, transfer_seconds=self._transfer_s,
+            call_seconds=self._call_s,
             receivers=receivers, host_waits=stats,
         )
 
