@@ -93,7 +93,8 @@ def sync_end_to_end(rank: int, world: int, backend: str, ckpt_a: str, ckpt_b: st
             reports.append(end.finish_weight_update())
         end.close()
         return {"versions": [r.version for r in reports], "fingerprints": [r.fingerprints for r in reports],
-                "buckets": [r.num_buckets for r in reports]}
+                "buckets": [r.num_buckets for r in reports],
+                "timings": [(r.transfer_seconds, r.call_seconds, r.seconds) for r in reports]}
     versions, fps = [], []
     for _ in range(3):
         report = end.receive_update()

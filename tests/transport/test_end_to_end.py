@@ -17,6 +17,10 @@ def test_engine_weights_equal_a_fresh_load_after_each_update(backend: str, tp: i
     trainer, engines = results[0], results[1:]
     assert trainer["versions"] == [1, 2, 3]
     assert min(trainer["buckets"]) > 3, "64 KiB buckets must cut the tiny model into several buckets"
+    # Each report's times nest: the data phase lies within the update_weights calls (all calls of the
+    # split update summed), which lie within start..commit.
+    for data_s, call_s, update_s in trainer["timings"]:
+        assert 0 < data_s <= call_s < update_s
     for rank, e in enumerate(engines, start=1):
         assert e["versions"] == [1, 2, 3], f"rank {rank}"
         # Each update's fingerprint equals a fresh load of the same checkpoint (bitwise kernel tensors).
