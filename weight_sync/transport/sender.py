@@ -403,14 +403,19 @@ class WeightSender:
         self._transfer_s += time.perf_counter() - t0
         self._num_buckets += layout.num_buckets
         self._pos += count
-        status = status_of(0, "update_weights", local_error)
-        statuses = self._channel.exchange_status(status)
-        try:
-            raise_agreed(statuses, "update_weights", self.world_size, local=local_error)
-        except BaseException:
-            self._state = "idle"  # every receiver aborted its update (rolled back or torn)
-            raise
+        self._settle_call(self._channel.exchange_status(status_of(0, "update_weights", local_error)), local_error)
         return count
+
+    def _settle_call(self, statuses: list[RankStatus], error: BaseException | None) -> None:
+        """Raise the call's agreed failure, if any rank failed; then every receiver aborted its update
+        (rolled back or torn) and this sender is idle again."""
+        try:
+            raise_agreed(statuses, "update_weights", self.world_size, local=error)
+        except BaseException:
+            if self._zc is not None:
+                self._zc.reset()  # a receiver may lack regions: both sides start over
+            self._state = "idle"
+            raise
 
     def _zero_copy_call(self, named_tensors: Iterable[tuple[str, torch.Tensor]], metas: tuple[TensorMeta, ...],
                         first: int, error: BaseException | None) -> int:
@@ -451,12 +456,7 @@ class WeightSender:
         statuses = channel.exchange_status(status_of(0, "update_weights", error))
         self._transfer_s += time.perf_counter() - t0
         self._pos += len(metas)
-        try:
-            raise_agreed(statuses, "update_weights", self.world_size, local=error)
-        except BaseException:
-            zc.reset()  # a receiver may lack regions: both sides start over
-            self._state = "idle"
-            raise
+        self._settle_call(statuses, error)
         return len(metas)
 
     def finish_weight_update(self) -> TransferReport:
