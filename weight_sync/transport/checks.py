@@ -12,6 +12,7 @@ import torch
 from weight_sync.checksum import ChecksumWorkspace, bucket_checksum, checksum_value, reuse_workspace
 from weight_sync.errors import ChecksumError, TransportError
 from weight_sync.layers.streams import DeviceShim
+from weight_sync.manifest import TensorMeta
 from weight_sync.transport.group import Channel
 from weight_sync.transport.layout import Bucket
 from weight_sync.transport.wire import (
@@ -76,10 +77,10 @@ class BucketChecks:
         self.channel.wait_event(self._event, phase)
         return host.tolist()
 
-    def judge(self, vals: Sequence[int], bucket: Bucket, k: int, header: ControlHeader, names: list[str],
-              version: Any, *, loaded: bool) -> bool:
+    def judge(self, vals: Sequence[int], bucket: Bucket, k: int, header: ControlHeader,
+              metas: Sequence[TensorMeta], version: Any, *, loaded: bool) -> bool:
         """Check one bucket's trailer and checksum words; False: the sender aborted from this bucket on.
-        ``names``: the bucket's tensors, for the error message."""
+        ``metas``: the call's tensors (the bucket's names, for an error message only)."""
         p = bucket.payload_bytes
         magic, seq, call, kk, status, pbytes, hi, lo, got_hi, got_lo = vals
         if (magic, seq, call, kk) != (MAGIC, header.seq, header.call, k) or (status != STATUS_ABORT and pbytes != p):
@@ -94,6 +95,7 @@ class BucketChecks:
         if self.checksum and (hi, lo) != (got_hi, got_lo):
             what = ("its bytes were loaded (deferred verification), the update will not be committed" if loaded
                     else "nothing of it was loaded")
+            names = [metas[s.index].name for s in bucket.segments]
             raise ChecksumError(
                 f"[rank {self.rank}] update {version!r}: bucket {k} ({p} bytes, {names[0]} .. "
                 f"{names[-1]}) failed its checksum: sender {checksum_value((hi, lo), p):#018x}, received "

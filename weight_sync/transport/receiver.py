@@ -419,9 +419,6 @@ class WeightReceiver:
         device = self._buffers[0].device if self._buffers else self.buffer_device
         checks = judge.table(layout.num_buckets, device)
 
-        def names(bucket: Bucket) -> list[str]:
-            return [layout.metas[s.index].name for s in bucket.segments]
-
         self._plane.begin_call(sizes, header.seq, header.call)
         nb = len(self._buffers)
         aborted = False
@@ -445,7 +442,7 @@ class WeightReceiver:
                     else:
                         judge.record(bucket, self._buffers[i], checks[0])
                         vals = judge.readback(checks[:1], f"update_weights: checks of bucket {k}")[0]
-                        if judge.judge(vals, bucket, k, header, names(bucket), self._version, loaded=False):
+                        if judge.judge(vals, bucket, k, header, layout.metas, self._version, loaded=False):
                             loaded += self._consume(bucket, self._buffers[i], layout)
                         else:
                             aborted = True
@@ -463,7 +460,7 @@ class WeightReceiver:
             try:
                 for k, vals in enumerate(rows):
                     bucket = layout.buckets[k]
-                    if not judge.judge(vals, bucket, k, header, names(bucket), self._version, loaded=True):
+                    if not judge.judge(vals, bucket, k, header, layout.metas, self._version, loaded=True):
                         aborted, error = True, None
                         break
             except Exception as e:
