@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import copy
+import time
 from typing import Any
 
 import torch
 
-from weight_sync.errors import ConfigError
+from weight_sync.errors import ConfigError, TransportTimeout, WeightSyncError
 from weight_sync.offload import (
     DenoiseRequest,
     OffloadConfig,
@@ -15,7 +16,7 @@ from weight_sync.offload import (
     form_waves,
     run_wave,
 )
-from weight_sync.testing.dit import DiTConfig, SyntheticDiTPipeline
+from weight_sync.testing.dit import DiTConfig, SyntheticDiTPipeline, make_latents
 
 
 def _models(dit: dict[str, Any], device: str = "cpu") -> tuple[SyntheticDiTPipeline, SyntheticDiTPipeline]:
@@ -201,3 +202,75 @@ def landing_allocations(rank: int, world: int, dit: dict[str, Any]) -> dict[str,
         ours = allocations(lambda: off.transformer(x, t))
         handle.disable()
     return {"ours": ours, "theirs": theirs}
+
+
+def guarded_call(rank: int, world: int, steps_by_rank: list[int | None], tokens_by_rank: list[int]) -> dict[str, Any]:
+    """Call the offloaded pipeline directly (no waves) with this rank's step count and token count.
+
+    Reports the call's result or error, what it transferred, and whether a corrected call that every
+    rank makes alike (2 steps, 16 tokens) and ``disable`` still work afterwards.
+    """
+    torch.set_num_threads(1)
+    ref, off = _models({"num_blocks": 3})
+    timeout_s = 30.0
+    handle = enable_layerwise_offload(off, _config(world, "cpu", transfer_timeout_s=timeout_s))
+    assert handle.streamer is not None
+    latents = make_latents(batch=1, tokens=tokens_by_rank[rank], channels=16, seed=rank,
+                           dtype=torch.float32, device="cpu")
+    loads_before = handle.streamer.num_loads_issued
+    result: dict[str, Any] = {"timeout_s": timeout_s, "error": ""}
+    t0 = time.monotonic()
+    try:
+        out = off(latents, num_inference_steps=steps_by_rank[rank])
+    except ConfigError as e:
+        result["error"] = str(e)
+        result["seconds"] = time.monotonic() - t0
+        result["loads_queued"] = handle.streamer.num_loads_issued - loads_before
+    else:
+        result["equal"] = torch.equal(out, ref(latents, num_inference_steps=steps_by_rank[rank]))
+    result["agreements"] = handle.metrics()["num_call_agreements"]
+    same = make_latents(batch=1, tokens=16, seed=rank, channels=16, dtype=torch.float32, device="cpu")
+    result["corrected_equal"] = torch.equal(off(same, num_inference_steps=2), ref(same, num_inference_steps=2))
+    handle.disable()
+    result["equal_after_disable"] = torch.equal(off(same, num_inference_steps=2), ref(same, num_inference_steps=2))
+    return result
+
+
+def missing_peer_call(rank: int, world: int, calls_by_rank: list[int]) -> dict[str, Any]:
+    """Each rank calls the offloaded transformer itself ``calls_by_rank[rank]`` times (a per-step loop).
+
+    A rank that calls once more than its peers must get a timeout from the agreement, not a hang, with
+    no load of that call queued; afterwards its guard refuses calls and ``disable`` without waiting.
+    """
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    _, off = _models({"num_blocks": 3})
+    timeout_s = 3.0
+    handle = enable_layerwise_offload(off, _config(world, "cpu", transfer_timeout_s=timeout_s))
+    assert handle.streamer is not None
+    x = make_latents(batch=1, tokens=16, channels=16, seed=rank, dtype=torch.float32, device="cpu")
+    t = torch.full((1,), 0.5)
+    common = min(calls_by_rank)
+    result: dict[str, Any] = {"timeout_s": timeout_s, "error": ""}
+    with torch.no_grad():
+        for _ in range(common):
+            off.transformer(x, t)
+        result["agreements"] = handle.metrics()["num_call_agreements"]
+        loads_before = handle.streamer.num_loads_issued
+        if calls_by_rank[rank] > common:
+            t0 = time.monotonic()
+            try:
+                off.transformer(x, t)
+            except TransportTimeout as e:
+                result["error"] = str(e)
+                result["seconds"] = time.monotonic() - t0
+                result["loads_queued"] = handle.streamer.num_loads_issued - loads_before
+                for retry in (lambda: off.transformer(x, t), handle.disable):
+                    try:
+                        retry()
+                    except WeightSyncError as refused:
+                        result.setdefault("refusals", []).append(str(refused))
+    # The default group, not a sleep: every rank returns only once the timed-out rank has reported.
+    dist.barrier()
+    return result

@@ -20,6 +20,7 @@ def test_offload_demo_verify_passes_and_prints_metrics(capsys: pytest.CaptureFix
     result = json.loads(out.splitlines()[0])
     assert result["bitwise_equal"] is True
     assert result["metrics"]["num_slots_allocated"] == 2
+    assert result["metrics"]["num_call_agreements"] == 0  # no gather, so nothing to agree on
     assert "bitwise equal to resident on every rank" in out
 
 
@@ -57,5 +58,7 @@ def test_offload_demo_with_allgather_spawns_ranks_and_writes_traces(tmp_path: Pa
     for r in ranks:
         assert r["bitwise_equal"] and r["host_weights"] == "checkpoint_mmap"
         assert r["metrics"]["gather_group_size"] == 2
+        # The warm-up and the timed generate each went through the call guard, once per call.
+        assert r["metrics"]["num_call_agreements"] == 2
         spans = json.loads(Path(r["trace_file"]).read_text())
         assert {s["kind"] for s in spans} == {"compute", "h2d", "allgather"}

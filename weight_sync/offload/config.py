@@ -46,7 +46,8 @@ class OffloadConfig:
         read-only in-place registration hung the process on 2026-11-30, so it is opt-in until that is
         understood; pass a budget (e.g. half of physical memory) to enable it.
       ``alignment_bytes``: byte alignment of every tensor inside a slot (kernels and SIMD paths).
-      ``transfer_timeout_s``: the longest the compute thread waits for a transfer to be submitted.
+      ``transfer_timeout_s``: the longest the compute thread waits for a transfer to be submitted, and
+        for its gather group's peers to join the agreement on a call (``weight_sync.offload.call_guard``).
       ``trace``: record a per-block timeline (compute / H2D / AllGather); ``trace_capacity`` spans.
       ``dlo_landing_buffers``: with AllGather, copy each shard into one of two device *landing* buffers
         (one shard each) and gather out of place into the slot, so the shard H2D no longer waits for the

@@ -8,17 +8,24 @@ Weight gathers run on a communicator created here for that purpose only (``dist.
 one activation collectives use: two threads issuing collectives on one NCCL communicator in different
 orders deadlock. Before the first gather, ranks compare a digest of their transfer schedule, and
 decisions that change the schedule (a rank could not pin memory) are taken by an all-rank vote.
+
+Agreement during inference (``weight_sync.offload.call_guard``) runs on a third group, gloo over the
+same ranks: the compute thread exchanges a few bytes there while the submission thread is inside a
+weight gather, and two threads must never share one communicator. Its waits are bounded by
+``transfer_timeout_s`` (the gloo group's own timeout), so a peer that never joins raises instead of
+hanging.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
 
-from weight_sync.errors import ConfigError
+from weight_sync.errors import ConfigError, TransportError, TransportTimeout
 from weight_sync.offload.config import OffloadConfig
 
 __all__ = [
@@ -40,6 +47,11 @@ class GatherGroup:
     global_rank: int
     group: Any = None  # torch.distributed ProcessGroup, None when size == 1
     control_device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # agreement tensors
+    members: tuple[int, ...] = ()  # global ranks of the group, in group order
+    # gloo group over the same ranks for agreement while transfers run (compute thread only), and the
+    # bound on each of its waits.
+    control_group: Any = None
+    control_timeout_s: float = 600.0
 
     @property
     def active(self) -> bool:
@@ -66,6 +78,30 @@ class GatherGroup:
                 f"({shown}); every rank of a gather group must build the same model (block names, "
                 "shapes, dtypes, strides) with the same offload config before the first AllGather"
             )
+
+    def exchange_fixed(self, data: bytes, *, what: str) -> list[bytes]:
+        """Every member's ``data`` (the same length on all), in group order, over the control group.
+
+        Bounded: gloo gives up after ``control_timeout_s`` when a peer does not join; that (or a lost
+        peer) raises ``TransportTimeout`` / ``TransportError`` naming ``what`` and the group.
+        """
+        if not self.active:
+            return [data]
+        mine = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        everyone = torch.empty(self.size * len(data), dtype=torch.uint8)
+        try:
+            all_gather_bytes(everyone, mine, self.control_group)
+        except RuntimeError as e:
+            timed_out = "timed out" in str(e).lower() or "timeout" in str(e).lower()
+            cls = TransportTimeout if timed_out else TransportError
+            raise cls(
+                f"{self._log_prefix()} {what}: the gather group (ranks {list(self.members)}) did not all "
+                f"join within {self.control_timeout_s:g} s (transfer_timeout_s); a peer did not make "
+                f"the same call, or stopped: {e}"
+            ) from e
+        raw = everyone.numpy().tobytes()
+        n = len(data)
+        return [raw[i * n : (i + 1) * n] for i in range(self.size)]
 
     def all_agree(self, ok: bool) -> bool:
         """All-rank vote: True only if ``ok`` holds on every member (a MIN all-reduce)."""
@@ -123,15 +159,20 @@ def build_gather_group(config: OffloadConfig, device: torch.device) -> GatherGro
         # kernel waits for their blocks to drain. A high-priority stream gets the next free SMs first.
         options = dist.ProcessGroupNCCL.Options()
         options.is_high_priority_stream = True
+    control_timeout = timedelta(seconds=config.transfer_timeout_s)
     mine = None
     for ranks in gather_group_ranks(config):
         # new_group is collective over the default group: every rank creates every group, in order.
         group = dist.new_group(ranks, pg_options=options)
+        agreement = dist.new_group(ranks, backend="gloo", timeout=control_timeout)
         if global_rank in ranks:
-            mine = (group, ranks)
+            mine = (group, agreement, ranks)
     assert mine is not None  # every rank is in exactly one group by construction
-    group, ranks = mine
+    group, agreement, ranks = mine
     backend = str(dist.get_backend(group)).lower()
     control = device if "nccl" in backend else torch.device("cpu")
     logger.info("[rank %d] DLO gather group %s (%s)", global_rank, ranks, backend)
-    return GatherGroup(len(ranks), ranks.index(global_rank), global_rank, group, control)
+    return GatherGroup(
+        len(ranks), ranks.index(global_rank), global_rank, group, control, members=tuple(ranks),
+        control_group=agreement, control_timeout_s=config.transfer_timeout_s,
+    )

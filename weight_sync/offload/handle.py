@@ -3,6 +3,8 @@
 Order of work, chosen so that every failure that can be detected happens before the model is touched:
 topology -> gather group -> layouts -> schedule digest compared across ranks -> host store (pin, vote)
 -> then mutation: non-block tensors to the device, block tensors re-pointed at the slots, hooks on.
+With AllGather the call guard goes on last: from then on every call of the pipeline (and ``disable``)
+is agreed by the gather group before it queues a load (``weight_sync.offload.call_guard``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from torch import nn
 
 from weight_sync.errors import ConfigError
 from weight_sync.layers import DeviceShim, device_shim, get_submodule_path, repoint
+from weight_sync.offload.call_guard import CallGuard
 from weight_sync.offload.config import OffloadConfig
 from weight_sync.offload.gather_group import GatherGroup, build_gather_group
 from weight_sync.offload.host_store import (
@@ -47,11 +50,12 @@ class OffloadHandle:
     def __init__(
         self, *, root: nn.Module, config: OffloadConfig, topology: Topology, layouts: list[BlockLayout],
         store: HostStore | None, streamer: BlockStreamer | None, gather: GatherGroup, shim: DeviceShim,
-        metrics: OffloadMetrics, trace: Trace | None,
+        metrics: OffloadMetrics, trace: Trace | None, guard: CallGuard | None = None,
     ) -> None:
         self.root, self.config, self.topology, self.layouts = root, config, topology, layouts
         self.store, self.streamer, self.gather, self.shim = store, streamer, gather, shim
         self._metrics, self._trace = metrics, trace
+        self.guard = guard  # None unless blocks stream with an active gather group
         self.enabled = True
 
     @property
@@ -82,10 +86,15 @@ class OffloadHandle:
     def disable(self) -> None:
         """Restore the resident model: every streamed block gets its own device tensors again.
 
-        With AllGather this is collective: every rank of the gather group must call it.
+        With AllGather this is collective: every rank of the gather group must call it. The ranks
+        first agree that they are all here and have issued the same loads, because the restore loads
+        gather too and would otherwise pair one rank's block with another block of its peer.
         """
         if not self.enabled:
             return
+        if self.guard is not None:
+            self.guard.agree("disable()", [])
+            self.guard.remove()
         self.shim.synchronize()
         if self.streamer is not None:
             self.streamer.detach()
@@ -263,10 +272,9 @@ def enable_layerwise_offload(
     rings = [[index_of[name] for name, _ in ring.blocks] for ring in topology.rings]
     # Before the first AllGather (and before any mutation): all ranks must share one schedule.
     landing = config.dlo_landing_buffers and gather.active  # inert with a group of one
-    gather.check_same_schedule(
-        schedule_digest(layouts, rings, group_size=gather.size, alignment=config.alignment_bytes,
-                        landing_buffers=landing)
-    )
+    schedule = schedule_digest(layouts, rings, group_size=gather.size, alignment=config.alignment_bytes,
+                               landing_buffers=landing)
+    gather.check_same_schedule(schedule)
     metrics.num_streamed_blocks = len(layouts)
     metrics.num_resident_blocks = len(topology.resident_blocks)
     metrics.block_bytes = sum(lay.nbytes for lay in layouts)
@@ -300,11 +308,14 @@ def enable_layerwise_offload(
                 # pre-hook re-points to the slot that actually holds the block before each forward.
                 repoint(p.tensor, view)
         _move_loose_tensors(layouts, streamed, shim.device)
+    guard = None
     if streamer is not None:
         streamer.attach()
+        if gather.active:
+            guard = _install_call_guard(root, topology, streamed, streamer, gather, schedule, metrics)
     handle = OffloadHandle(
         root=root, config=config, topology=topology, layouts=layouts, store=store, streamer=streamer,
-        gather=gather, shim=shim, metrics=metrics, trace=trace,
+        gather=gather, shim=shim, metrics=metrics, trace=trace, guard=guard,
     )
     setattr(root, _HANDLE_ATTR, handle)
     logger.info(
@@ -315,6 +326,22 @@ def enable_layerwise_offload(
         metrics.num_landing_buffers_allocated * metrics.landing_bytes / 1e6,
     )
     return handle
+
+
+def _install_call_guard(
+    root: nn.Module, topology: Topology, streamed: Sequence[tuple[str, nn.Module]],
+    streamer: BlockStreamer, gather: GatherGroup, schedule: bytes, metrics: OffloadMetrics,
+) -> CallGuard:
+    """Guard every entry a call can take: the root, each ring owner, each streamed block on its own."""
+    plan = getattr(root, "_offload_plan", None)
+    guard = CallGuard(
+        gather=gather, schedule_digest=schedule, loads_issued=lambda: streamer.num_loads_issued,
+        metrics=metrics, rank_local_args=plan.rank_local_args if plan is not None else (),
+    )
+    entries = [(type(root).__name__, root)]
+    entries += [(p, get_submodule_path(root, p)) for p in topology.owner_paths if p]
+    guard.install([*entries, *streamed])
+    return guard
 
 
 def _move_loose_tensors(

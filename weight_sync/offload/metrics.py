@@ -45,6 +45,7 @@ class OffloadMetrics:
     num_block_loads: int = 0  # loads consumed by a block forward
     num_gathers: int = 0
     num_prefetch_misses: int = 0  # a block ran that was not the one prefetched (first step, new ring)
+    num_call_agreements: int = 0  # calls the gather group agreed on before their first gather (AllGather)
     gather_group_size: int = 1
     host_storage: str = ""  # "packed", "pinned_in_place", "staged"
     host_weights_source: str = ""  # "ordinary", "checkpoint_mmap", "runtime_cache"

@@ -36,11 +36,15 @@ class OffloadPlan:
     "single_transformer_blocks")}``. ``offload_submodules`` streams the block list of other components
     (``{"context_encoder": "layers"}``). ``resident_dit_paths`` names the block lists (relative to the
     root, e.g. ``"transformer.blocks"``) whose leading blocks ``--dlo-resident-layers`` may keep resident.
+    ``rank_local_args`` names call arguments that are per-request data and may differ across the ranks of
+    a gather group (an int ``seed``); the call guard records only that they were passed (see
+    ``weight_sync.offload.call_guard``).
     """
 
     block_attrs: Mapping[str, tuple[str, ...]]
     offload_submodules: Mapping[str, str] = field(default_factory=dict)
     resident_dit_paths: tuple[str, ...] = ()
+    rank_local_args: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.block_attrs:
@@ -57,11 +61,10 @@ class OffloadPlan:
                     f"OffloadPlan.offload_submodules[{owner!r}] must be a block-list attribute path, "
                     f"got: {attr!r}"
                 )
-        if isinstance(self.resident_dit_paths, str):
-            raise ConfigError(
-                f"OffloadPlan.resident_dit_paths must be a tuple of paths, got the string "
-                f"{self.resident_dit_paths!r}"
-            )
+        for name in ("resident_dit_paths", "rank_local_args"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                raise ConfigError(f"OffloadPlan.{name} must be a tuple of strings, got the string {value!r}")
 
 
 @dataclass(frozen=True)

@@ -92,6 +92,11 @@ class BlockStreamer:
         self._running: dict[int, tuple[int, Any]] = {}  # block -> (slot, compute trace mark)
         self._hooks: list[Any] = []
 
+    @property
+    def num_loads_issued(self) -> int:
+        """Loads queued so far, prefetches and restores included (equal on ranks that ran alike)."""
+        return self._seq
+
     def attach(self) -> None:
         for index in self.next_of:
             module = self.modules[index]
