@@ -107,7 +107,7 @@ def test_a_manifest_that_omits_expected_tensors_is_rejected_unless_partial(qwen3
     session = engine.begin_update(Manifest.from_named_tensors(items), allow_partial=True)
     session.load(items)
     report = session.finish()
-    assert report.partial is False  # every announced tensor arrived
+    assert report.partial is True  # every announced tensor arrived, but not the model's whole layout
     assert torch.equal(engine.model.model.norm.weight, _fresh(qwen3_a, None).model.model.norm.weight)
 
 

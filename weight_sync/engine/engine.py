@@ -19,7 +19,7 @@ import torch.distributed as dist
 from weight_sync.engine.config import ModelConfig
 from weight_sync.engine.model import CausalLM, KVCache
 from weight_sync.engine.parallel import TPInfo
-from weight_sync.errors import ConfigError, TornModelError
+from weight_sync.errors import ConfigError
 from weight_sync.quant.registry import resolve_quantization
 
 __all__ = ["ReferenceEngine"]
@@ -189,14 +189,10 @@ class ReferenceEngine:
 
     # ------------------------------------------------------------------ inference
     def _check_servable(self) -> None:
-        from weight_sync.reload.state import torn_reason
+        """Refuse to serve half-written weights: an update open on the model, or a torn model."""
+        from weight_sync.reload.state import check_servable
 
-        reason = torn_reason(self.model)
-        if reason is not None:
-            raise TornModelError(
-                f"the engine holds a mix of weight versions after a failed update ({reason}); "
-                "it refuses to serve until a full update succeeds"
-            )
+        check_servable(self.model)
 
     def _as_batch(self, token_ids: Sequence[Sequence[int]] | torch.Tensor) -> torch.Tensor:
         if isinstance(token_ids, torch.Tensor):

@@ -139,28 +139,44 @@ def guarded_source(source: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any
 
 
 def initialize_layerwise_reload(model: nn.Module, **options: Any) -> UpdateSession:
-    """Open an update and route ``model.load_weights(...)`` into it until it is finalized."""
+    """Open an update and route ``model.load_weights(...)`` into it until the update ends.
+
+    The routing lasts as long as the session: finalized, or aborted because a ``load_weights`` call
+    failed (the model is then rolled back or torn, as ``rollback`` says), ``model.load_weights`` is the
+    model's own again and the next ``initialize_layerwise_reload`` starts afresh.
+    """
     session = begin_update(model, options.pop("manifest", None), **options)
+    had_own = "load_weights" in model.__dict__
     original = model.__dict__.get("load_weights")
 
     def load_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         session.load(weights)
         return set()
 
+    def unroute() -> None:
+        model.__dict__.pop("_ws_saved_load_weights", None)
+        if had_own:
+            model.__dict__["load_weights"] = original
+        else:
+            model.__dict__.pop("load_weights", None)
+
     # The session's own fallback calls the class's load_weights, never this instance attribute.
     model.__dict__["_ws_saved_load_weights"] = original
     model.__dict__["load_weights"] = load_weights
+    session.on_close(unroute)
     return session
 
 
 def finalize_layerwise_processing(model: nn.Module, model_config: Any = None) -> UpdateReport:
-    """Commit the update opened by :func:`initialize_layerwise_reload` and restore ``load_weights``."""
-    if not has_state(model) or get_state(model).active is None:
-        raise UpdateStateError("finalize_layerwise_processing: no layerwise reload is in progress")
-    session: UpdateSession = get_state(model).active
-    saved = model.__dict__.pop("_ws_saved_load_weights", None)
-    if saved is None:
-        model.__dict__.pop("load_weights", None)
-    else:
-        model.__dict__["load_weights"] = saved
+    """Commit the update opened by :func:`initialize_layerwise_reload` and restore ``load_weights``.
+
+    ``model_config`` is accepted for vLLM's signature and not used: vLLM needs it to hand the model's
+    dtype to attention layers' processing, which weight_sync's vLLM hooks record once when the model
+    is set up, and every other layer is processed as soon as its last tensor arrives.
+    """
+    state = get_state(model) if has_state(model) else None
+    if state is None or state.active is None:
+        last = f" ({state.last_abort})" if state is not None and state.last_abort else ""
+        raise UpdateStateError(f"finalize_layerwise_processing: no layerwise reload is in progress{last}")
+    session: UpdateSession = state.active
     return session.finish()

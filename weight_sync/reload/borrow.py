@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from weight_sync.reload.plan import KeyPlan, Plan
-from weight_sync.reload.processing import storage_use_count
+from weight_sync.reload.processing import Lend, storage_use_count
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -31,19 +31,10 @@ if TYPE_CHECKING:
     from weight_sync.reload.processing import ProcessedLayers
     from weight_sync.reload.state import LayerInfo
 
-__all__ = ["LayerTiling", "Lend", "RecordTiling", "layer_tiling", "lend_batch", "lend_single", "lenders"]
+__all__ = ["LayerTiling", "RecordTiling", "layer_tiling", "lend_batch", "lend_single", "lenders"]
 
 # Tensor subclasses may carry their own storage rules; only these are lent out as staging.
 _PLAIN = (torch.Tensor, nn.Parameter)
-
-
-@dataclass(slots=True)
-class Lend:
-    """A layer's borrowed staging: record name -> the caller's tensor at its first element, and the
-    caller's tensor of every key of the layer (to process it again from a copy if needed)."""
-
-    anchors: dict[str, torch.Tensor]
-    sources: dict[str, torch.Tensor]
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,12 +27,18 @@ from weight_sync.reload.plan import Plan
 from weight_sync.reload.state import LayerInfo, ModelState
 from weight_sync.reload.validation import fmt_layout
 
-if TYPE_CHECKING:
-    from weight_sync.reload.borrow import Lend
-
-__all__ = ["OpenLayer", "ProcessedLayers", "sole_owner", "storage_use_count", "storage_uses"]
+__all__ = ["Lend", "OpenLayer", "ProcessedLayers", "sole_owner", "storage_use_count", "storage_uses"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Lend:
+    """A layer's borrowed staging: record name -> the caller's tensor at its first element, and the
+    caller's tensor of every key of the layer (to process it again from a copy if needed)."""
+
+    anchors: dict[str, torch.Tensor]
+    sources: dict[str, torch.Tensor]
 
 
 @dataclass(slots=True)
@@ -74,10 +80,15 @@ class ProcessedLayers:
     _attr_snapshots: list[tuple[nn.Module, frozenset[str], dict[str, Any]]]
     _processed_done: list[str]
     _first_processed: list[LayerInfo]
+    # Staging bytes held now and at most, on the model's device and in host memory (spilled beyond the
+    # budget), and the layers that waited for keys while another layer opened (out of layer order).
     _buffered: int
     _peak: int
+    _host_held: int
+    _host_peak: int
+    _held_peak: int
     _spilled: int
-    _warned: bool
+    _waited: set[str]
     _seconds: dict[str, float]
     _host: torch.device
     _lenders: set[str]
@@ -110,15 +121,11 @@ class ProcessedLayers:
                 lent[name] = (anchor, storage_uses(anchor))
                 nbytes -= info.records[name].nbytes  # the caller's memory, not staging
         spill = self._buffered + nbytes > self.budget_bytes
-        if self._open and not self._warned:
-            self._warned = True
-            pending = sorted(self._open)
-            log.warning(
-                "update %r: buffering %d bytes of model-format staging for pending layers %s while "
-                "layer %s starts; weights out of block order cost memory: send every tensor of a layer "
-                "before the next layer's",
-                self.version, self._buffered + (0 if spill else nbytes), pending, info.name,
-            )
+        if self._open:
+            # Another layer still waits for keys: the stream is out of layer order. Reported once per
+            # update, when it ends, with the bytes really held (see UpdateSession._report_buffering).
+            self._waited.update(self._open)
+            self._waited.add(info.name)
         where = self._host if spill else self.device
         pin = spill and self.device.type == "cuda"
         # Zero fill keeps regions no loader writes (padding) deterministic; tensors the plan's copies
@@ -172,13 +179,14 @@ class ProcessedLayers:
         self._open[info.name] = ol
         if spill:
             self._spilled += nbytes
-            log.warning(
-                "update %r: budget of %d bytes reached; staging %d bytes of %s in host memory",
-                self.version, self.budget_bytes, nbytes, info.name,
-            )
+            self._host_held += nbytes
+            self._host_peak = max(self._host_peak, self._host_held)
+            log.debug("update %r: staging %d bytes of %s in host memory (budget %d bytes)",
+                      self.version, nbytes, info.name, self.budget_bytes)
         else:
             self._buffered += nbytes
             self._peak = max(self._peak, self._buffered)
+        self._held_peak = max(self._held_peak, self._buffered + self._host_held)
 
     def _complete(self, ol: OpenLayer) -> None:
         """Process a layer whose keys have all arrived and copy its kernel tensors into the old ones."""
@@ -242,7 +250,9 @@ class ProcessedLayers:
             self._touched.add(info.name)
             self._first_processed.append(info)
         del self._open[info.name]
-        if not ol.spilled:
+        if ol.spilled:
+            self._host_held -= ol.nbytes
+        else:
             self._buffered -= ol.nbytes
         ol.staging.clear()
         self._recycle(ol)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -37,9 +37,9 @@ from weight_sync.errors import (
 )
 from weight_sync.layers.tensors import signatures, verify_signatures
 from weight_sync.manifest import Manifest, TensorMeta
-from weight_sync.reload.borrow import Lend, lend_batch, lend_single, lenders
+from weight_sync.reload.borrow import lend_batch, lend_single, lenders
 from weight_sync.reload.plan import CopyOp, KeyPlan, Plan
-from weight_sync.reload.processing import OpenLayer, ProcessedLayers, storage_uses
+from weight_sync.reload.processing import Lend, OpenLayer, ProcessedLayers, storage_uses
 from weight_sync.reload.report import UpdateReport, fingerprint
 from weight_sync.reload.state import LayerInfo, ModelState, model_load_weights
 from weight_sync.reload.validation import (
@@ -106,8 +106,12 @@ class UpdateSession(ProcessedLayers):
         self._first_processed: list[LayerInfo] = []
         self._buffered = 0
         self._peak = 0
+        self._host_held = 0
+        self._host_peak = 0
+        self._held_peak = 0
         self._spilled = 0
-        self._warned = False
+        self._waited: set[str] = set()
+        self._on_close: list[Callable[[], None]] = []
         self._num_bytes = 0
         self._replayed = 0
         self._via_loader = 0
@@ -402,14 +406,16 @@ class UpdateSession(ProcessedLayers):
         except BaseException as e:
             self._fail(e)
             raise
-        partial = bool(missing)
+        # Partial means "not every tensor of the reference layout": a subset manifest that fully arrived
+        # is still partial, so it never becomes the reference and heals only the layers it rewrote.
+        partial = bool(missing) or bool(self._lacking_from_reference())
         for info in self._first_processed:
             info.processed = True
         self.state.last_signatures = signatures(self.model) if self._first_processed else self._before
-        self._status = "finished"
-        self.state.active = None
+        self.state.mend(self._rewritten(self.state.torn_layers))
+        self.state.last_abort = None
+        self._close("finished")
         if not partial:
-            self.state.torn = None
             if self.manifest is not None:
                 ref = self.state.reference
                 # Kept as the same object while updates announce the same tensors, so the validation
@@ -463,6 +469,7 @@ class UpdateSession(ProcessedLayers):
         for ol in list(self._open.values()):
             self._restore_objects(ol, keep_new_attrs=False)
         self._open.clear()
+        unrestored = self._touched
         if self.rollback:
             with torch.no_grad():
                 for snaps in self._snapshots.values():
@@ -476,12 +483,62 @@ class UpdateSession(ProcessedLayers):
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             unrestored = self._touched - set(self._snapshots)
-            if unrestored:
-                self.state.torn = f"update {self.version!r} failed: {reason}"
-        elif self._touched:
-            self.state.torn = f"update {self.version!r} failed: {reason}"
-        self._status = "aborted"
+        self.state.tear(unrestored, f"update {self.version!r} failed: {reason}")
+        self.state.last_abort = f"update {self.version!r} was aborted: {reason}"
+        self._close("aborted")
+
+    def _close(self, status: str) -> None:
+        """End the session as ``status``: the model is free for the next update; close callbacks run."""
+        self._status = status
         self.state.active = None
+        self._report_buffering()
+        callbacks, self._on_close = self._on_close, []
+        for fn in callbacks:
+            fn()
+
+    def on_close(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` once when this session ends, finished or aborted (e.g. to undo a routing shim)."""
+        self._require_open()
+        self._on_close.append(fn)
+
+    def _report_buffering(self) -> None:
+        """One warning per update whose stream was out of layer order, with the bytes really held."""
+        if not self._waited:
+            return
+        log.warning(
+            "update %r: weights arrived out of layer order: up to %d bytes of model-format staging were "
+            "held at once (%d bytes on the device, %d bytes in host memory; budget %d bytes) for "
+            "layers %s; send every tensor of a layer before the next layer's",
+            self.version, self._held_peak, self._peak, self._host_peak, self.budget_bytes,
+            name_list(self._waited),
+        )
+
+    def _lacking_from_reference(self) -> list[str]:
+        """Tensors of the reference layout this update did not bring (ignored keys excluded)."""
+        ref = self.state.reference
+        if ref is None:
+            return []
+        lacking = []
+        for n in ref.names:
+            if n not in self._arrived:
+                kp = self.plan.keys.get(n)
+                if kp is None or kp.mode != "ignored":
+                    lacking.append(n)
+        return lacking
+
+    def _rewritten(self, layers: Iterable[str]) -> set[str]:
+        """Of ``layers``, those this update wrote whole: every key of the layer (of the reference layout,
+        where the reference names any) arrived."""
+        ref = self.state.reference
+        ref_names = set(ref.names) if ref is not None and self.state.torn_layers else set()
+        out = set()
+        for layer in layers:
+            need = self.plan.layer_keys.get(layer, set())
+            if need & ref_names:
+                need = need & ref_names
+            if need and need <= self._arrived:
+                out.add(layer)
+        return out
 
     def __enter__(self) -> UpdateSession:
         return self

@@ -13,7 +13,12 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from weight_sync.errors import LayoutMismatchError, UnknownTensorError, UpdateStateError
+from weight_sync.errors import (
+    LayoutMismatchError,
+    TornModelError,
+    UnknownTensorError,
+    UpdateStateError,
+)
 from weight_sync.layers.blocks import block_key
 from weight_sync.layers.loading import check_loadable
 from weight_sync.layers.meta import TensorRecord, capture_layer, records_nbytes
@@ -29,7 +34,9 @@ __all__ = [
     "AcceptedManifest",
     "LayerInfo",
     "ModelState",
+    "check_servable",
     "get_state",
+    "name_list",
     "register_direct_method",
     "register_post_update_hook",
     "torn_reason",
@@ -95,10 +102,16 @@ class ModelState:
 
     layers: dict[str, LayerInfo]
     plan: Plan | None = None
+    # The layout every full update covers; it grows with updates that announce more, never shrinks.
     reference: Manifest | None = None
+    # Torn: layers written by failed updates (neither rolled back nor rewritten by a committed update
+    # since) and why. The model serves only while ``torn_layers`` is empty.
     torn: str | None = None
+    torn_layers: set[str] = field(default_factory=set)
     version: Any = None
     active: Any = None  # the open UpdateSession, if any
+    # How the last update ended, when it was aborted (named by later lifecycle errors).
+    last_abort: str | None = None
     post_update_hooks: list[Callable[[nn.Module], None]] = field(default_factory=list)
     # Destination views of planned keys into direct layers, reused across updates while the
     # signatures taken at the end of the last update still hold.
@@ -106,6 +119,20 @@ class ModelState:
     last_signatures: dict[str, Any] = field(default_factory=dict)
     # Validation is repeated only when an update announces something else (see UpdateSession).
     accepted: AcceptedManifest | None = None
+
+    def tear(self, layers: Iterable[str], reason: str) -> None:
+        """Record that a failed update left ``layers`` holding bytes of no committed version."""
+        layers = set(layers)
+        if layers:
+            self.torn_layers |= layers
+            self.torn = reason
+
+    def mend(self, rewritten: Iterable[str]) -> None:
+        """A committed update rewrote ``rewritten`` whole: those layers hold its version again."""
+        if self.torn_layers:
+            self.torn_layers.difference_update(rewritten)
+            if not self.torn_layers:
+                self.torn = None
 
     def largest_block_bytes(self) -> int:
         """Model-format bytes of the processed layers of the largest block (the default budget)."""
@@ -249,10 +276,46 @@ def has_state(model: nn.Module) -> bool:
     return model in _STATES
 
 
+def name_list(items: Iterable[str], limit: int = 8) -> str:
+    """The first ``limit`` names, sorted, and how many more there are."""
+    items = sorted(items)
+    shown = ", ".join(items[:limit])
+    return shown + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")
+
+
 def torn_reason(model: nn.Module) -> str | None:
-    """Why the model is torn (a failed update left mixed weights), or None when it is servable."""
+    """Why the model is torn (a failed update left mixed weights), or None when it is servable.
+
+    A model leaves the torn state only when every layer the failed update(s) wrote has been rewritten
+    by a committed update (a full update always does; a partial one only for the layers it covers whole).
+    """
     state = _STATES.get(model)
-    return None if state is None else state.torn
+    if state is None or not state.torn_layers:
+        return None
+    return (f"{state.torn}; {len(state.torn_layers)} layer(s) not rewritten since: "
+            f"{name_list(state.torn_layers, limit=4)}")
+
+
+def check_servable(model: nn.Module) -> None:
+    """Raise unless ``model`` holds exactly one committed version: no update open on it, not torn.
+
+    An open update is refused rather than waited for: an engine process serves and receives on one
+    thread, so waiting would never end, and half-written weights must never answer a request.
+    """
+    state = _STATES.get(model)
+    if state is None:
+        return
+    if state.active is not None:
+        raise UpdateStateError(
+            f"update {state.active.version!r} is open on this model: its weights are half-written, so "
+            "serving calls are refused until it is finished or aborted"
+        )
+    reason = torn_reason(model)
+    if reason is not None:
+        raise TornModelError(
+            f"the model holds a mix of weight versions after a failed update ({reason}); it refuses to "
+            "serve until an update rewrites what the failed one wrote (a full update always does)"
+        )
 
 
 def register_post_update_hook(model: nn.Module, hook: Callable[[nn.Module], None]) -> None:

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 from torch import nn
 
 from weight_sync.errors import ManifestError, WeightSyncError
 from weight_sync.manifest import Manifest, TensorMeta
-from weight_sync.reload.plan import KeyPlan, Plan, plan_keys
-from weight_sync.reload.state import AcceptedManifest, ModelState
+from weight_sync.reload.plan import KeyPlan, Plan
+from weight_sync.reload.recorder import plan_keys
+from weight_sync.reload.state import AcceptedManifest, ModelState, name_list
 
 __all__ = ["accept_manifest", "check_against_plan", "fmt_layout", "name_list", "plan_missing", "validate_manifest"]
 
@@ -18,13 +17,6 @@ __all__ = ["accept_manifest", "check_against_plan", "fmt_layout", "name_list", "
 def fmt_layout(shape: tuple[int, ...], dtype: torch.dtype) -> str:
     """``(4, 8) bfloat16``: how errors name a layout."""
     return f"{tuple(shape)} {str(dtype).removeprefix('torch.')}"
-
-
-def name_list(items: Iterable[str], limit: int = 8) -> str:
-    """The first ``limit`` names, sorted, and how many more there are."""
-    items = sorted(items)
-    shown = ", ".join(items[:limit])
-    return shown + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")
 
 
 def plan_missing(model: nn.Module, state: ModelState, plan: Plan, metas: list[TensorMeta]) -> dict[str, WeightSyncError]:
