@@ -3,14 +3,18 @@
 ``enable_layerwise_offload(module_or_pipeline, config)`` keeps the non-block weights on the device and
 the blocks on the host; each block is copied (H2D, optionally 1/dp per rank plus AllGather) into one of
 two fixed device slots while the previous block computes. ``load_host_weights`` chooses how host weights
-are loaded (direct checkpoint mmap, the runtime-weight cache, or the ordinary loader) beforehand;
-``form_waves`` / ``run_wave`` run data-parallel requests in lockstep.
+are loaded (direct checkpoint mmap, the runtime-weight cache, or the ordinary loader) beforehand.
+With AllGather, every call of the offloaded pipeline is agreed by the gather group before its first
+gather (``call_guard``: step count, arguments, shapes; all ranks raise the same error on a mismatch);
+``form_waves`` / ``run_wave`` help a scheduler run data-parallel requests in lockstep.
 
 Limitations:
   * Inference only: while offload is enabled, block parameters alias slot memory outside their forward
     (their values are only meaningful inside it), and autograd through streamed blocks is unsupported.
   * Every rank of a gather group must run the same blocks in the same order (lockstep denoising with an
-    identical, explicit step count); with AllGather, ``enable`` and ``disable`` are collective.
+    identical, explicit step count); with AllGather, ``enable`` and ``disable`` are collective. The call
+    guard rejects calls that differ in arguments or input shapes, but not a path that depends on tensor
+    values inside one call.
   * Direct checkpoint mmap needs TP1 and an exact match of names, shapes, dtypes and contiguous layouts;
     otherwise the ordinary loader runs (before the module is touched).
   * Tensors shared between a streamed block and anything else cannot stream (ConfigError).

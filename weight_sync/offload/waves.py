@@ -6,6 +6,10 @@ same). A wave whose requests carry ``None`` or unequal ``num_inference_steps`` i
 being formed - every rank sees the whole wave, so all ranks reject it identically, before any
 collective. A rank without a request in a partial wave runs a filler pass so its peers' gathers still
 have a partner.
+
+This is a scheduler-side convenience: what holds the promise is the call guard on the offloaded
+pipeline's call path (``weight_sync.offload.call_guard``), which rejects a mismatched call on every rank
+whether or not the caller formed waves.
 """
 
 from __future__ import annotations
