@@ -231,6 +231,7 @@ def guarded_call(rank: int, world: int, steps_by_rank: list[int | None], tokens_
     result["agreements"] = handle.metrics()["num_call_agreements"]
     same = make_latents(batch=1, tokens=16, seed=rank, channels=16, dtype=torch.float32, device="cpu")
     result["corrected_equal"] = torch.equal(off(same, num_inference_steps=2), ref(same, num_inference_steps=2))
+    result["agreements_after_corrected"] = handle.metrics()["num_call_agreements"]
     handle.disable()
     result["equal_after_disable"] = torch.equal(off(same, num_inference_steps=2), ref(same, num_inference_steps=2))
     return result

@@ -17,6 +17,7 @@ def test_equal_step_counts_run_bitwise_equal_to_resident_with_one_agreement_per_
         assert r["error"] == ""
         assert r["equal"]
         assert r["agreements"] == 1  # one pipeline call of 3 steps x 3 blocks: one agreement
+        assert r["agreements_after_corrected"] == 2
         assert r["corrected_equal"] and r["equal_after_disable"]
 
 
@@ -40,7 +41,8 @@ def test_a_mismatched_call_raises_the_same_error_on_every_rank_before_any_load(
         assert r["loads_queued"] == 0
         assert r["seconds"] < r["timeout_s"]
         assert r["agreements"] == 0
-        # Nothing was transferred, so the group is still in step: a call made alike works.
+        # Nothing was transferred, so the group is still in step: a call made alike is agreed and works.
+        assert r["agreements_after_corrected"] == 1
         assert r["corrected_equal"] and r["equal_after_disable"]
 
 
