@@ -21,6 +21,7 @@ from weight_sync.reload.plan import CopyOp, KeyPlan, Plan
 from weight_sync.reload.report import UpdateReport, fingerprint
 from weight_sync.reload.session import UpdateSession
 from weight_sync.reload.state import (
+    check_servable,
     mark_layers_processed,
     register_direct_method,
     register_post_update_hook,
@@ -34,6 +35,7 @@ __all__ = [
     "UpdateReport",
     "UpdateSession",
     "begin_update",
+    "check_servable",
     "finalize_layerwise_processing",
     "fingerprint",
     "initialize_layerwise_reload",
