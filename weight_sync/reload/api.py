@@ -16,12 +16,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from weight_sync.checkpoints import checkpoint_metas, map_checkpoint
 from weight_sync.errors import SourceError, UpdateStateError, WeightSyncError
 from weight_sync.manifest import Manifest, TensorMeta
 from weight_sync.reload.report import UpdateReport
 from weight_sync.reload.session import UpdateSession
 from weight_sync.reload.state import get_state, has_state
-from weight_sync.safetensors_io import checkpoint_files, iter_checkpoint, read_header
 
 __all__ = [
     "begin_update",
@@ -71,12 +71,9 @@ def begin_update(
 
 
 def manifest_from_checkpoint(path: str | os.PathLike, *, version: Any = None) -> Manifest:
-    """Names, dtypes and shapes of every tensor in a safetensors file or directory (headers only)."""
-    metas = []
-    for f in checkpoint_files(path):
-        for e in read_header(f).values():
-            metas.append(TensorMeta(e.name, e.dtype, e.shape))
-    return Manifest(tuple(metas), version=version)
+    """Names, dtypes and shapes of every tensor of a local checkpoint (safetensors: headers only; torch
+    files: mapped, no weight read), before any data is touched."""
+    return Manifest(tuple(checkpoint_metas(path)), version=version)
 
 
 def reload_weights(
@@ -88,10 +85,11 @@ def reload_weights(
     progress: bool = False,
     **options: Any,
 ) -> UpdateReport:
-    """Update ``model`` from a safetensors checkpoint (mapped, streamed in block order) or an iterable.
+    """Update ``model`` from a local checkpoint (mapped, streamed in layer order) or an iterable.
 
-    From a path the manifest comes from the file headers, so the whole checkpoint is validated before the
-    first write. ``progress`` shows a progress bar over the tensors (on a terminal). Options are those
+    ``weights_path``: a directory or file of safetensors, or of torch files (``pytorch_model*.bin``,
+    ``*.pt``, read with ``torch.load(weights_only=True)``). The manifest comes from the checkpoint before
+    any weight is read, so the whole checkpoint is validated before the first write. ``progress`` shows a progress bar over the tensors (on a terminal). Options are those
     of :func:`begin_update`.
     """
     if (weights_path is None) == (weights_iterator is None):
@@ -100,7 +98,7 @@ def reload_weights(
         manifest = manifest_from_checkpoint(weights_path, version=options.get("version"))
     session = begin_update(model, manifest, **options)
     if weights_path is not None:
-        mapped = dict(iter_checkpoint(weights_path))
+        mapped = map_checkpoint(weights_path)
         # Layer order from the plan: each layer's keys arrive together, so at most one layer is pending.
         source: Iterable[tuple[str, torch.Tensor]] = (
             (n, mapped[n]) for n in session.layer_order(mapped)
