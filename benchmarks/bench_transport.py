@@ -377,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backends", default=None,
                    help="comma list (default: nccl,ipc on cuda, gloo,shm on cpu); 'ipc+zc' / 'shm+zc': zero-copy")
     p.add_argument("--quantization", default=None,
-                   help="comma list of engine quantizations for nccl/gloo (default: none,fp8_block on cuda, none on cpu)")
+                   help="comma list of engine quantizations, for every backend (default: none,fp8_block on cuda, none on cpu)")
     p.add_argument("--bucket-mb", default=None, help="comma list of bucket sizes in MiB")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
@@ -400,7 +400,8 @@ def main(argv: list[str] | None = None) -> int:
     tag = args.tag or ("gpu" if cuda else "cpu")
     result: dict[str, Any] = {"tag": tag, "environment": _environment(args), "preset": args.preset, "runs": []}
     for backend in backends:
-        for q in quants if backend in ("nccl", "gloo") else [None]:
+        # Every backend honours --quantization: the engine quantizes online whatever carried the weights.
+        for q in quants:
             if backend.endswith("+zc") and backend.removesuffix("+zc") not in ("ipc", "shm"):
                 p.error(f"--backends: zero-copy ('+zc') needs ipc or shm, got {backend!r}")
             print(f"[bench] {backend} quantization={q or 'none'} buckets={args.bucket_mb} MiB", flush=True)
