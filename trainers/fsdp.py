@@ -7,7 +7,10 @@ the tensors, the others drop them. A rank never holds more than one block of gat
 is gathered completely before the agreement, so a failure can never strand the others mid-block). If the
 sending rank's consumer stops (the transport failed), its generator gathers the block the others are
 already gathering and reports the abort in the next agreement; every other rank raises SourceError
-instead of waiting in a collective.
+instead of waiting in a collective. Every agreement has a deadline (``agree_timeout_s``): a rank that never
+arrives (it died, hung, or stopped iterating without telling) makes the others raise ``TransportTimeout``
+naming the agreement; the group then holds an unmatched collective, so the source does no further
+collective (no cleanup gather) and the trainer's group must be rebuilt.
 
 Usage, on every rank::
 
@@ -30,8 +33,9 @@ from torch import nn
 
 from trainers.names import NameMap
 from trainers.sources import ModuleSource, SourceEntry
-from weight_sync.errors import SourceError
+from weight_sync.errors import SourceError, TransportTimeout
 from weight_sync.layers import group_by_block
+from weight_sync.transport.group import Deadline, poll, wait_gloo
 
 __all__ = ["FSDPSource"]
 
@@ -48,8 +52,10 @@ class FSDPSource(ModuleSource):
     """A :class:`ModuleSource` over a model whose parameters are DTensors (FSDP2 ``fully_shard``).
 
     group: the process group the shards live on (default: the default group). src_rank: the group rank
-    that yields (owns the sender). ``peak_live_bytes`` records the most gathered bytes the source ever
-    had alive at once on this rank.
+    that yields (owns the sender). agree_timeout_s: how long a rank waits in an agreement for the others
+    (a rank that never arrives - dead, hung, or no longer iterating - is a ``TransportTimeout`` naming
+    the agreement, not a hang; the group then holds an unmatched collective and cannot be trusted).
+    ``peak_live_bytes`` records the most gathered bytes the source ever had alive at once on this rank.
     """
 
     def __init__(
@@ -60,10 +66,15 @@ class FSDPSource(ModuleSource):
         dtype: torch.dtype | None = None,
         group: Any = None,
         src_rank: int = 0,
+        agree_timeout_s: float = 300.0,
     ) -> None:
         super().__init__(model, name_map, dtype=dtype)
+        if not agree_timeout_s > 0:
+            raise ValueError(f"agree_timeout_s must be > 0, got {agree_timeout_s!r}")
         self.group = group
         self.src_rank = src_rank
+        self.agree_timeout_s = float(agree_timeout_s)
+        self._timed_out = False  # an agreement timed out: the group holds an unmatched collective
         self.peak_live_bytes = 0
         self._live_bytes = 0
         names = [e.name for e in self.entries]
@@ -92,12 +103,33 @@ class FSDPSource(ModuleSource):
         backend = dist.get_backend(self.group)
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         flag = torch.tensor([1 if abort else 0], dtype=torch.int64, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        self._wait_agreement(work, where)
         if int(flag.item()) and not abort:
             raise SourceError(
                 f"[rank {dist.get_rank()}] the sending rank {self.src_rank} stopped consuming weights {where}; "
                 "every trainer rank stops the gather"
             )
+
+    def _wait_agreement(self, work: Any, where: str) -> None:
+        """Wait for the agreement's all-reduce with this source's deadline (the group's own timeout is
+        typically 30 minutes or more, and NCCL's may tear the process down)."""
+        deadline = Deadline(self.agree_timeout_s)
+
+        def timed_out() -> BaseException:
+            self._timed_out = True
+            size = dist.get_world_size(self.group)
+            return TransportTimeout(
+                f"[rank {dist.get_rank()}] FSDPSource agreement {where}: expected all {size} trainer ranks "
+                f"within {self.agree_timeout_s:.1f} s, some never arrived (dead, hung, or no longer "
+                "iterating the source)"
+            )
+
+        if dist.get_backend(self.group) == "gloo":
+            wait_gloo(work, deadline, timed_out)
+        else:
+            poll(work.is_completed, deadline, timed_out)
+        work.wait()  # the result (or the collective's own error); NCCL: orders the flag's stream
 
     def _gather(self, block: list[SourceEntry]) -> list[tuple[str, torch.Tensor]]:
         out = []
@@ -128,7 +160,7 @@ class FSDPSource(ModuleSource):
             self._agree(False, "after the last block")
             finished = True
         finally:
-            if sending and not finished:
+            if sending and not finished and not self._timed_out:
                 # The consumer stopped while we were yielding block b: the others are gathering block
                 # b+1 (or waiting in the final agreement); join them, then tell them to stop.
                 if b + 1 < len(self.blocks):

@@ -340,6 +340,108 @@ def sender_role(backend: str, num_receivers: int, ckpt_b: str, timeout_s: float,
     sender.send(tensors(), src.manifest(), version=1)
 
 
+# ---------------------------------------------------------------------- engine death / hang
+def _stop_after_loads(engine: ReferenceEngine, num_tensors: int, signum: int, results: Any) -> None:
+    """Make this engine's process kill or stop itself once ``num_tensors`` tensors of the update are
+    loaded (mid-update, with tensors written), after telling the test when."""
+    real_begin = engine.begin_update
+
+    def begin_update(manifest: Any, **opts: Any) -> Any:
+        session = real_begin(manifest, **opts)
+        real_load = session.load
+        loaded = 0
+
+        def load(items: Any) -> Any:
+            nonlocal loaded
+            items = list(items)
+            out = real_load(items)
+            loaded += len(items)
+            if loaded >= num_tensors:
+                results.put(("stopped", 0, time.time()))
+                results.close()
+                results.join_thread()  # delivered before the signal: a stopped feeder thread sends nothing
+                os.kill(os.getpid(), signum)
+            return out
+
+        session.load = load
+        return session
+
+    engine.begin_update = begin_update  # type: ignore[method-assign]
+
+
+def surviving_engine_role(address: str, rank: int, ckpt_a: str, ckpt_b: str, rollback: bool, device: str,
+                          addresses: Any, results: Any) -> None:
+    """An engine that outlives another engine dying mid-update, then takes an update from a new sender."""
+    try:
+        engine = ReferenceEngine.from_checkpoint(ckpt_a, device=device)
+        before = engine.fingerprint()
+        receiver = WeightReceiver(engine, address, rank, rollback=rollback)
+        receiver.connect()
+        outcome: dict[str, Any] = {}
+        try:
+            receiver.receive_update(timeout_s=60)
+            outcome["error"] = None
+        except Exception as e:
+            outcome.update(error=type(e).__name__, message=str(e))
+        outcome.update(rolled_back=engine.fingerprint() == before, torn=torn_reason(engine.model),
+                       version=receiver.weight_version)
+        receiver.close()
+        # A new sender (the trainer's next connection) reaches this engine with a new address.
+        receiver = WeightReceiver(engine, addresses.get(timeout=120), 1, rollback=rollback)
+        receiver.connect()
+        receiver.receive_update(timeout_s=60)
+        outcome.update(final=engine.fingerprint(), torn_final=torn_reason(engine.model),
+                       final_version=receiver.weight_version,
+                       fresh_b=ReferenceEngine.from_checkpoint(ckpt_b, device=device).fingerprint())
+        receiver.close()
+        results.put(("survivor", rank, outcome))
+    except BaseException as e:
+        results.put(("survivor", rank, {"setup_error": f"{type(e).__name__}: {e}"}))
+
+
+def dying_engine_role(address: str, rank: int, ckpt_a: str, signum: int, device: str, results: Any) -> None:
+    """An engine whose process is killed (SIGKILL) or stopped (SIGSTOP) after loading 7 tensors."""
+    try:
+        engine = ReferenceEngine.from_checkpoint(ckpt_a, device=device)
+        _stop_after_loads(engine, 7, signum, results)
+        receiver = WeightReceiver(engine, address, rank)
+        receiver.connect()
+        receiver.receive_update(timeout_s=60)
+        results.put(("victim", rank, {"error": "the update completed although this engine was to stop"}))
+    except BaseException as e:
+        results.put(("victim", rank, {"error": f"{type(e).__name__}: {e}"}))
+
+
+def trainer_of_dying_engines(backend: str, num_receivers: int, ckpt_b: str, timeout_s: float, addresses: Any,
+                             survivor_addresses: Any, results: Any) -> None:
+    """A trainer whose update fails because an engine dies or stops mid-update; it then connects a new
+    sender to the ``num_receivers - 1`` engines that survive and updates them."""
+    config = TransportConfig(backend=backend, bucket_bytes=64 << 10, timeout_s=timeout_s)
+    src = CheckpointSource(ckpt_b)
+    try:
+        sender = WeightSender(config, num_receivers=num_receivers)
+        for _ in range(num_receivers):
+            addresses.put(sender.address)
+        sender.connect()
+        outcome: dict[str, Any] = {}
+        try:
+            sender.send(src, src.manifest(), version=1)
+            outcome["error"] = None
+        except Exception as e:
+            outcome.update(error=type(e).__name__, message=str(e), raised_at=time.time())
+        sender.close()
+        sender = WeightSender(config, num_receivers=num_receivers - 1)
+        for _ in range(num_receivers - 1):
+            survivor_addresses.put(sender.address)
+        sender.connect()
+        report = sender.send(src, src.manifest(), version=2)
+        outcome["recovered"] = report.version
+        sender.close()
+        results.put(("trainer", 0, outcome))
+    except BaseException as e:
+        results.put(("trainer", 0, {"setup_error": f"{type(e).__name__}: {e}"}))
+
+
 # ---------------------------------------------------------------------- GPU scenarios (device machine)
 def gpu_sync(rank: int, world: int, backend: str, ckpt_a: str, ckpt_b: str, quantization: Any, num_updates: int,
              bucket_bytes: int = 1 << 20, verify: str = "deferred", alternate: bool = False,

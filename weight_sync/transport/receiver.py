@@ -42,6 +42,7 @@ from weight_sync.transport.disk import DiskReader
 from weight_sync.transport.doorbell import Link, connect_doorbell
 from weight_sync.transport.group import Channel, Deadline, join_store, make_group, poll, warm_up
 from weight_sync.transport.layout import Bucket, BucketLayout, LayoutCache
+from weight_sync.transport.liveness import Heartbeat
 from weight_sync.transport.planes import BroadcastReceiverPlane, SharedReceiverPlane
 from weight_sync.transport.status import raise_agreed, status_of
 from weight_sync.transport.wire import (
@@ -129,6 +130,7 @@ class WeightReceiver:
         self._zc_event: Any = None  # zero-copy ipc: the sender's "tensors produced" event
         self._store: Any = None
         self._disk: DiskReader | None = None
+        self._heartbeat: Heartbeat | None = None
         self._stats_at_start: dict[str, int] = {}
 
     # ------------------------------------------------------------------ connection
@@ -228,6 +230,8 @@ class WeightReceiver:
             self._plane = SharedReceiverPlane(self._channel, self._link, self._buffers, self.shim, events)
         statuses = self._channel.exchange_status(status_of(self.rank, "connect", error))
         raise_agreed(statuses, "connect", params.world_size, local=error)
+        # From here on the sender can tell this rank's death (or SIGSTOP) from a slow peer, and name it.
+        self._heartbeat = Heartbeat(self.address, self.rank, params.timeout_s)
         self._state = "idle"
         log.info("[rank %d] connected to %s over %s", self.rank, self.address, params.backend)
         return params
@@ -243,10 +247,10 @@ class WeightReceiver:
             raise TransportError(msg)
         return header
 
-    def _handle(self, header: ControlHeader, wanted: str) -> Any:
-        """Run the protocol of ``header`` (as a failing rank if it is not what the caller asked for)."""
-        error: BaseException | None = None
-        if header.kind != wanted:
+    def _handle(self, header: ControlHeader, wanted: str, error: BaseException | None = None) -> Any:
+        """Run the protocol of ``header`` (as a failing rank if it is not what the caller asked for, or
+        when ``error`` says this rank already failed)."""
+        if error is None and header.kind != wanted:
             error = UpdateStateError(
                 f"[rank {self.rank}] {wanted} was called while the sender is in {header.kind}"
             )
@@ -303,6 +307,11 @@ class WeightReceiver:
                 self._channel.fail(f"[rank {self.rank}] the device stream is stuck behind a transfer")
             return False
         return True
+
+    @property
+    def is_open(self) -> bool:
+        """Whether an update is open on this receiver (started, neither finished nor aborted)."""
+        return self._state == "open"
 
     def _require(self, *states: str) -> None:
         if self._state not in states:
@@ -391,6 +400,35 @@ class WeightReceiver:
                 self._abort_session(f"{type(e).__name__}: {e}")
                 raise
         return self._handle(self._header("update_weights"), "call")
+
+    def abort_weight_update(self, error: BaseException) -> None:
+        """End the open update because the engine failed it before this receiver took the sender's call.
+
+        vLLM's worker ends its session when any step of ``update_weights`` raises (an ``update_info`` it
+        rejects, an index past its workers), and the sender is then in the middle of that call, waiting
+        for this rank. Ending only the local session would leave the sender waiting until its timeout
+        and the two sides in different states. Instead this rank takes the sender's pending phase as a
+        failing rank: it receives the call's buckets without loading them (so nobody is left in a
+        collective), reports ``error`` in the call's status exchange, and every rank raises the same
+        agreed error at once. The session is aborted by the usual rules (rolled back with ``rollback``,
+        torn if anything was written, untouched otherwise) and both sides are idle, so the next
+        ``start_weight_update`` works on this connection.
+
+        Raises the agreed error (its cause: ``error``); a transport that cannot reach the sender (broken,
+        disk) aborts the session locally and returns.
+        """
+        if self._state != "open":
+            return
+        reason = f"the engine ended the update: {type(error).__name__}: {error}"
+        if self._disk is not None or self._channel is None or self._channel.broken is not None:
+            self._abort_session(reason)
+            return
+        try:
+            header = self._header("update_weights (ended by the engine)")
+        except BaseException:
+            self._abort_session(reason)  # no sender phase to join (it never came): the local session ends
+            raise
+        self._handle(header, header.kind, error)
 
     def _on_call(self, header: ControlHeader, error: BaseException | None) -> int:
         assert self._channel is not None and self._plane is not None and self.params is not None
@@ -603,6 +641,9 @@ class WeightReceiver:
         if self._state == "closed":
             return
         self._abort_session("the receiver was closed mid-update")
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
         # Nothing may still read the buffers when they are dropped (an IPC import is released with them);
         # a bounded wait, not torch.cuda.synchronize, which has no deadline.
         self._device_drained()

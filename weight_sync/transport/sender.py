@@ -14,10 +14,11 @@ the transport: every rank raises at once and a new connection is needed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 
 from weight_sync.checksum import prepare_checksum
-from weight_sync.errors import ManifestError, TransportError
+from weight_sync.errors import ManifestError, TransportError, TransportTimeout
 from weight_sync.layers.streams import device_shim
 from weight_sync.manifest import Manifest, TensorMeta, dtype_to_str
 from weight_sync.transport.buffers import (
@@ -39,6 +40,7 @@ from weight_sync.transport.disk import DiskWriter
 from weight_sync.transport.doorbell import DoorbellServer, Link
 from weight_sync.transport.group import Channel, host_store, make_group, warm_up
 from weight_sync.transport.layout import LayoutCache, check_block_order
+from weight_sync.transport.liveness import unresponsive_ranks
 from weight_sync.transport.packer import BucketPacker
 from weight_sync.transport.planes import BroadcastSenderPlane, SharedSenderPlane
 from weight_sync.transport.source import Checked, close_source
@@ -258,10 +260,40 @@ class WeightSender:
         if self._channel is not None:
             self._channel.check()
 
+    @contextlib.contextmanager
+    def _naming_the_unresponsive(self) -> Iterator[None]:
+        """Turn a communication failure of this call into a timeout naming the receivers that are gone.
+
+        A collective one receiver never joins fails the same way whichever receiver it is (a timeout, or
+        a socket error naming an address). When this call broke the channel, the receivers' heartbeats
+        (``liveness``) tell which processes stopped running; those are named, and the error is a
+        ``TransportTimeout`` however the wait ended: for the caller a dead engine and a stopped one are
+        the same, a peer that will not answer within the timeout.
+        """
+        channel = self._channel
+        was_broken = channel is None or channel.broken is not None
+        try:
+            yield
+        except TransportError as e:
+            if was_broken or channel is None or channel.broken is None or self._store is None:
+                raise  # an agreed failure (the channel is fine), or one already diagnosed
+            gone, window_s = unresponsive_ranks(self._store, list(range(1, self.world_size)), self.config.timeout_s)
+            if not gone:
+                raise
+            who = ", ".join(f"receiver {self.peers[r - 1].describe()}" for r in gone)
+            raise TransportTimeout(
+                f"{e}; {who}: no heartbeat within {window_s:.1f} s (the process is dead or stopped, or it "
+                "closed its transport)"
+            ) from e
+
     def start_weight_update(self, manifest: Manifest | Iterable[TensorMeta], version: Any = None) -> Manifest:
         """Announce an update: the manifest goes first and every receiver validates it against its model
         before anything is written. The manifest must be in block order (see ``check_block_order``);
         tensors must then be produced in its order. Returns the manifest as sent (checksums dropped)."""
+        with self._naming_the_unresponsive():
+            return self._start_weight_update(manifest, version)
+
+    def _start_weight_update(self, manifest: Manifest | Iterable[TensorMeta], version: Any) -> Manifest:
         self._require("idle")
         if not isinstance(manifest, Manifest):
             manifest = Manifest(tuple(manifest), version=version)
@@ -339,7 +371,8 @@ class WeightSender:
         ``named_tensors`` in manifest order (a mapping is read in manifest order). Returns the count."""
         t0 = time.perf_counter()
         try:
-            return self._update_weights(named_tensors, names)
+            with self._naming_the_unresponsive():
+                return self._update_weights(named_tensors, names)
         finally:
             self._call_s += time.perf_counter() - t0
 
@@ -461,6 +494,10 @@ class WeightSender:
 
     def finish_weight_update(self) -> TransferReport:
         """Commit on every receiver (all or none report success) and return the transfer report."""
+        with self._naming_the_unresponsive():
+            return self._finish_weight_update()
+
+    def _finish_weight_update(self) -> TransferReport:
         self._require("open")
         assert self._manifest is not None
         if self._disk is not None:

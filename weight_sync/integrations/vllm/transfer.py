@@ -23,6 +23,7 @@ data), so a dead trainer is reported to the caller instead of hanging the engine
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +35,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 import weight_sync
-from weight_sync.errors import ConfigError, UpdateStateError
+from weight_sync.errors import ConfigError, UpdateStateError, WeightSyncError
 from weight_sync.integrations.vllm.model_hooks import kernel_fingerprint, record_report
 from weight_sync.integrations.vllm.options import WeightSyncOptions
 from weight_sync.transport import WeightReceiver
@@ -142,7 +143,14 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # No device-wide synchronize as vLLM's base does: the receiver's session copies synchronously
         # on CPU and orders its copies on the compute stream on GPU, and finish verifies before commit.
-        self.receive_weights(self.parse_update_info(update_info or {}))
+        try:
+            info = self.parse_update_info(update_info or {})
+        except Exception as e:
+            # The sender is in this call already: fail it on every rank now (the agreed error names
+            # ``e``) instead of leaving it to wait out its timeout with the session open.
+            self._receiver().abort_weight_update(e)
+            raise
+        self.receive_weights(info)
 
     def receive_weights(self, update_info: WeightSyncUpdateInfo) -> None:
         self._receiver().update_weights()
@@ -153,6 +161,25 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
         out["fingerprint"] = kernel_fingerprint(self.model) if self.options.fingerprint else None
         record_report(self.model, out)
         log.info("[rank %d] weight update committed: %s", self.rank, report.summary())
+
+    def reset_weight_update_target(self) -> None:
+        """vLLM's worker calls this when it ends a session: after a commit, and inside its handler of any
+        exception in ``start_weight_update`` / ``update_weights``. A receiver still open then has not
+        taken the sender's pending call (the worker failed before reaching this backend); the update is
+        ended on every rank with the worker's exception, so weight_sync's state follows vLLM's."""
+        super().reset_weight_update_target()
+        receiver = self.receiver
+        if receiver is None or not receiver.is_open:
+            return
+        error = sys.exc_info()[1]
+        if error is None:
+            error = UpdateStateError("vLLM ended the weight update session while weight_sync's was open")
+        try:
+            receiver.abort_weight_update(error)
+        except WeightSyncError as e:
+            # Expected: the agreed failure of the call. vLLM re-raises the worker's own exception; this
+            # one is what the sender raised too (and what a torn model reports in ws_status).
+            log.error("[rank %d] weight update ended by vLLM: %s", self.rank, e)
 
     def shutdown(self) -> None:
         if self.receiver is not None:
