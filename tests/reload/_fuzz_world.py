@@ -1,0 +1,277 @@
+"""The lifecycle fuzzer's model of the world: committed versions, fresh loads of them, and the checks.
+
+A *version* is a dict of checkpoint-format tensors. The base versions are four tiny Qwen3 checkpoints
+(seeds 0-3, written to disk once per process); a partial update that commits makes a composite version
+(each name keeps the seed it was last committed from), so a version is named by one seed per tensor.
+
+The world remembers which version the engine must serve (``expected``) and whether a failed update may
+have left it torn (``torn_allowed``). After every step the engine either refuses to serve (torn, and only
+where a failure allowed it) or its kernel tensors equal, bitwise, those of a fresh engine loaded from
+``expected`` -- built once per version and cached. Every other outcome is a :class:`Violation`, one
+subclass per kind so that hypothesis reports distinct holes as distinct bugs.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import multiprocessing
+import os
+import re
+import shutil
+import tempfile
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from weight_sync.layers.tensors import signatures
+from weight_sync.safetensors_io import iter_checkpoint
+from weight_sync.testing import bitwise_equal, hf_config, kernel_tensors, make_checkpoint
+
+SEEDS = (0, 1, 2, 3)
+PROMPT = [[5, 6, 7]]
+GEN_PROMPT = [[5, 6]]
+GEN_TOKENS = 3
+
+
+# ---------------------------------------------------------------------------------------- violations
+class Violation(AssertionError):
+    """The engine broke the promise: it served something other than one committed version, or worse."""
+
+
+class MixedVersionsServed(Violation):
+    """Not torn, yet its kernel tensors differ from a fresh load of the version it must serve."""
+
+
+class TornAfterGoodUpdate(Violation):
+    """Refuses to serve where no failure allowed it (after a good update, or a failure rolled back)."""
+
+
+class RefusalWithoutReason(Violation):
+    """Torn, yet a serving call did not refuse, or refused without naming the failure."""
+
+
+class ServedDuringOpenUpdate(Violation):
+    """generate/logits ran while an update session was open (on half-written weights)."""
+
+
+class BadUpdateAccepted(Violation):
+    """An update with an injected fault (or an incomplete one) committed."""
+
+
+class GoodUpdateRejected(Violation):
+    """A well-formed update raised."""
+
+
+class WrongError(Violation):
+    """A bad update failed, but with an error that does not name the fault."""
+
+
+class PointerMoved(Violation):
+    """A graph-visible tensor changed data_ptr, shape, dtype or stride."""
+
+
+class ShimLeft(Violation):
+    """The load_weights routing shim of initialize_layerwise_reload outlived its session."""
+
+
+class SessionLeft(Violation):
+    """The model still has an active session although the caller's update ended."""
+
+
+class ServingMismatch(Violation):
+    """Serving outputs differ from a fresh engine of the expected version."""
+
+
+class Leaked(Violation):
+    """Threads, file descriptors, child processes or shm files outlived the sequence."""
+
+
+# ---------------------------------------------------------------------------------------- assets
+@dataclass(frozen=True)
+class Assets:
+    """Checkpoints and their tensors, made once per process."""
+
+    root: Path
+    cfg: dict[str, Any]
+    names: tuple[str, ...]
+    paths: dict[int, Path]
+    items: dict[int, dict[str, torch.Tensor]]
+    faulty_paths: dict[str, Path]
+
+
+_ASSETS: Assets | None = None
+
+K_PROJ = "model.layers.0.self_attn.k_proj.weight"
+
+
+def assets() -> Assets:
+    global _ASSETS
+    if _ASSETS is None:
+        from safetensors.torch import save_file
+
+        root = Path(tempfile.mkdtemp(prefix="ws_fuzz_"))
+        atexit.register(shutil.rmtree, root, True)
+        cfg = hf_config("qwen3", "tiny")
+        paths, items = {}, {}
+        for s in SEEDS:
+            paths[s] = make_checkpoint(root / f"v{s}", seed=s, tokenizer=False)
+            items[s] = {n: t.clone() for n, t in iter_checkpoint(paths[s])}
+        names = tuple(items[0])
+        # Checkpoint directories whose headers announce a fault (reload_weights(weights_path=...)).
+        base = items[1]
+        faulty = {
+            "shape": {**base, K_PROJ: torch.zeros(7, 128, dtype=torch.bfloat16)},
+            "dtype": {**base, K_PROJ: torch.zeros(64, 128, dtype=torch.int32)},
+            "unknown": {**base, "model.layers.7.mlp.up_proj.weight": base["model.layers.0.mlp.up_proj.weight"].clone()},
+            "missing": {n: t for n, t in base.items() if n != "model.norm.weight"},
+        }
+        faulty_paths = {}
+        for label, tensors in faulty.items():
+            d = root / f"faulty_{label}"
+            d.mkdir()
+            shutil.copy(paths[1] / "config.json", d / "config.json")
+            save_file({n: t.contiguous() for n, t in tensors.items()}, str(d / "model.safetensors"),
+                      metadata={"format": "pt"})
+            faulty_paths[label] = d
+        _ASSETS = Assets(root, cfg, names, paths, items, faulty_paths)
+    return _ASSETS
+
+
+def layer_of(name: str) -> str:
+    """The engine layer a checkpoint key lands in (q/k/v fuse into qkv_proj, gate/up into gate_up_proj)."""
+    layer = name.rsplit(".", 1)[0]
+    layer = re.sub(r"self_attn\.[qkv]_proj$", "self_attn.qkv_proj", layer)
+    return re.sub(r"mlp\.(gate|up)_proj$", "mlp.gate_up_proj", layer)
+
+
+# ---------------------------------------------------------------------------------------- versions
+VersionKey = tuple  # one seed per name, in the names' canonical order
+
+
+def base_key(seed: int, names: tuple[str, ...]) -> VersionKey:
+    return (seed,) * len(names)
+
+
+def merged_key(key: VersionKey, names: tuple[str, ...], subset: set[str], seed: int) -> VersionKey:
+    return tuple(seed if n in subset else s for n, s in zip(names, key))
+
+
+def describe_key(key: VersionKey, names: tuple[str, ...]) -> str:
+    seeds = sorted(set(key))
+    if len(seeds) == 1:
+        return f"v{seeds[0]}"
+    main = max(seeds, key=key.count)
+    others = {n: s for n, s in zip(names, key) if s != main}
+    return f"v{main} with " + ", ".join(f"{n}=v{s}" for n, s in list(others.items())[:4]) + (
+        f" (+{len(others) - 4})" if len(others) > 4 else "")
+
+
+def version_items(key: VersionKey, names: tuple[str, ...], table: dict[int, dict[str, torch.Tensor]]
+                  ) -> list[tuple[str, torch.Tensor]]:
+    return [(n, table[s][n]) for n, s in zip(names, key)]
+
+
+@dataclass
+class Fresh:
+    """What a freshly loaded engine (or module) of one version holds and serves."""
+
+    kernel: dict[str, torch.Tensor]
+    logits: torch.Tensor | None = None
+    tokens: list[list[int]] | None = None
+
+
+class FreshCache:
+    """Fresh loads by (flavor, version key), built on first use, least recently used dropped."""
+
+    def __init__(self, limit: int = 192) -> None:
+        self.limit = limit
+        self._d: OrderedDict[tuple, Fresh] = OrderedDict()
+        self.builds = 0
+
+    def get(self, key: tuple, build) -> Fresh:
+        hit = self._d.get(key)
+        if hit is not None:
+            self._d.move_to_end(key)
+            return hit
+        fresh = build()
+        self.builds += 1
+        self._d[key] = fresh
+        if len(self._d) > self.limit:
+            self._d.popitem(last=False)
+        return fresh
+
+
+FRESH = FreshCache()
+
+
+def snapshot_kernel(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: t.detach().clone() for n, t in kernel_tensors(model).items()}
+
+
+def kernel_differences(model: nn.Module, want: dict[str, torch.Tensor]) -> list[str]:
+    """Names of kernel tensors whose layout or bytes differ from ``want`` (and names only one side has)."""
+    got = kernel_tensors(model)
+    out = sorted(set(got) ^ set(want))
+    out += [n for n in want if n in got and not bitwise_equal(got[n], want[n])]
+    return out
+
+
+# ---------------------------------------------------------------------------------------- the world
+@dataclass
+class World:
+    """What the engine must be doing now."""
+
+    expected: VersionKey
+    torn_allowed: bool = False
+
+    def committed_full(self, key: VersionKey) -> None:
+        self.expected, self.torn_allowed = key, False
+
+    def committed_partial(self, key: VersionKey) -> None:
+        # A partial commit changes what the untouched layers must hold nothing about: a model torn
+        # before may still refuse (its half-written layers may lie outside the subset).
+        self.expected = key
+
+    def failed(self, *, rollback: bool, before_any_write: bool) -> None:
+        if not rollback and not before_any_write:
+            self.torn_allowed = True
+
+
+def check_pointers(model: nn.Module, baseline: dict) -> None:
+    now = signatures(model)
+    moved = [n for n, sig in baseline.items() if now.get(n) != sig]
+    if moved:
+        raise PointerMoved(f"{len(moved)} graph-visible tensor(s) changed: {moved[:5]}")
+
+
+# ---------------------------------------------------------------------------------------- hygiene
+def _fd_count() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@dataclass(frozen=True)
+class Hygiene:
+    """Counts of what a sequence could leak, taken before it and compared after it."""
+
+    threads: int
+    fds: int
+    children: int
+
+    @classmethod
+    def take(cls) -> Hygiene:
+        gc.collect()
+        return cls(threading.active_count(), _fd_count(), len(multiprocessing.active_children()))
+
+    def check(self, label: str) -> None:
+        now = Hygiene.take()
+        grown = {k: (getattr(self, k), getattr(now, k)) for k in ("threads", "fds", "children")
+                 if getattr(now, k) > getattr(self, k)}
+        if grown:
+            names = sorted(t.name for t in threading.enumerate())
+            raise Leaked(f"{label}: grew (before, after): {grown}; threads now {names}")
