@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 
 class ReferenceEngine:
-    """A small Qwen3/Llama engine with vLLM's loading conventions; not a serving system.
+    """A small Qwen3/Qwen3-MoE/Llama engine with vLLM's loading conventions; not a serving system.
 
     Build it with :meth:`from_checkpoint`. ``generate`` is greedy with a static KV cache; ``logits``
     runs a full forward. Weight updates go through :meth:`reload_weights` / :meth:`begin_update`, the
@@ -79,12 +79,14 @@ class ReferenceEngine:
         use_cuda_graph: bool = True,
         load_weights: bool = True,
         progress: bool = False,
+        expert_parallel: bool = False,
     ) -> ReferenceEngine:
         """Build the model from ``path/config.json`` and load ``path``'s safetensors through reload.
 
         ``quantization``: None, a short name ('fp8', 'fp8_per_channel', 'fp8_block', 'int8') or a config
-        object; linear layers are quantized online while loading. ``tp_group``: a torch.distributed
-        group to shard over (every rank calls this with the same arguments).
+        object; linear layers (and MoE experts: 'fp8' or 'fp8_block') are quantized online while
+        loading. ``tp_group``: a torch.distributed group to shard over (every rank calls this with the
+        same arguments). ``expert_parallel``: MoE experts are split over the group as whole experts.
         """
         from weight_sync.reload.api import reload_weights
 
@@ -92,7 +94,7 @@ class ReferenceEngine:
         engine = cls._build(
             ModelConfig.from_pretrained(path), dtype=dtype, device=device, quantization=quantization,
             tp_group=tp_group, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-            use_cuda_graph=use_cuda_graph,
+            use_cuda_graph=use_cuda_graph, expert_parallel=expert_parallel,
         )
         engine.checkpoint_path = path
         if load_weights:
@@ -114,6 +116,7 @@ class ReferenceEngine:
         max_batch_size: int = 8,
         max_seq_len: int = 512,
         use_cuda_graph: bool = True,
+        expert_parallel: bool = False,
     ) -> ReferenceEngine:
         """Build from a config (an HF config dict or :class:`ModelConfig`) and load ``weights``.
 
@@ -129,6 +132,7 @@ class ReferenceEngine:
         engine = cls._build(
             config, dtype=dtype, device=device, quantization=quantization, tp_group=tp_group,
             max_batch_size=max_batch_size, max_seq_len=max_seq_len, use_cuda_graph=use_cuda_graph,
+            expert_parallel=expert_parallel,
         )
         if weights is not None:
             items = list(weights)
@@ -140,7 +144,7 @@ class ReferenceEngine:
     @classmethod
     def _build(
         cls, config: ModelConfig, *, dtype, device, quantization, tp_group, max_batch_size,
-        max_seq_len, use_cuda_graph,
+        max_seq_len, use_cuda_graph, expert_parallel,
     ) -> ReferenceEngine:
         from weight_sync.reload.api import record_metadata_for_reloading
 
@@ -150,7 +154,8 @@ class ReferenceEngine:
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        model = CausalLM(config, tp=TPInfo(tp_group), quantization=quant, device=device)
+        model = CausalLM(config, tp=TPInfo(tp_group), quantization=quant, device=device,
+                         expert_parallel=expert_parallel)
         record_metadata_for_reloading(model)
         return cls(
             model, device=device, quantization=quant, max_batch_size=max_batch_size,

@@ -1,4 +1,4 @@
-"""A Qwen3 / Llama decoder with fused qkv and gate_up projections and vLLM-style ``load_weights``."""
+"""A Qwen3 / Qwen3-MoE / Llama decoder with fused qkv, gate_up and experts, and vLLM-style ``load_weights``."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from weight_sync.engine.config import ModelConfig
+from weight_sync.engine.moe import SparseMoeBlock, expert_target
 from weight_sync.engine.parallel import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -97,7 +98,7 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
-        self.use_qk_norm = cfg.arch == "qwen3"
+        self.use_qk_norm = cfg.arch in ("qwen3", "qwen3_moe")
         if self.use_qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=cfg.dtype, device=device)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=cfg.dtype, device=device)
@@ -161,14 +162,20 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPInfo, linear_method_spec, device) -> None:
+    def __init__(
+        self, cfg: ModelConfig, tp: TPInfo, linear_method_spec, device, index: int, expert_parallel: bool
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=cfg.dtype, device=device)
         self.self_attn = Attention(cfg, tp, linear_method_spec, device)
         self.post_attention_layernorm = RMSNorm(
             cfg.hidden_size, cfg.rms_norm_eps, dtype=cfg.dtype, device=device
         )
-        self.mlp = MLP(cfg, tp, linear_method_spec, device)
+        self.mlp: nn.Module
+        if cfg.is_moe_layer(index):
+            self.mlp = SparseMoeBlock(cfg, tp, linear_method_spec, device, expert_parallel=expert_parallel)
+        else:
+            self.mlp = MLP(cfg, tp, linear_method_spec, device)
 
     def forward(self, x, cos, sin, mask, cache, slots):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, slots)
@@ -176,20 +183,27 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPInfo, linear_method_spec, device) -> None:
+    def __init__(
+        self, cfg: ModelConfig, tp: TPInfo, linear_method_spec, device, expert_parallel: bool
+    ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(
             cfg.vocab_size, cfg.hidden_size, tp=tp, params_dtype=cfg.dtype, device=device
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, tp, linear_method_spec, device) for _ in range(cfg.num_hidden_layers)
+            DecoderLayer(cfg, tp, linear_method_spec, device, i, expert_parallel)
+            for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=cfg.dtype, device=device)
         self.rotary_emb = Rotary(cfg.head_dim, cfg.rope_theta, device)
 
 
 class CausalLM(nn.Module):
-    """The reference decoder: ``model.*`` plus ``lm_head`` (shared with the embedding when tied)."""
+    """The reference decoder: ``model.*`` plus ``lm_head`` (shared with the embedding when tied).
+
+    ``expert_parallel``: MoE experts are split over the TP group's ranks as whole experts instead of
+    each expert's intermediate width (vLLM's ``enable_expert_parallel``); attention stays tensor parallel.
+    """
 
     def __init__(
         self,
@@ -198,13 +212,15 @@ class CausalLM(nn.Module):
         tp: TPInfo | None = None,
         quantization: object = None,
         device: torch.device | str = "cpu",
+        expert_parallel: bool = False,
     ) -> None:
         super().__init__()
         tp = tp or TPInfo()
-        config.check_tp(tp.size)
+        config.check_tp(tp.size, expert_parallel=expert_parallel)
         self.config = config
         self.tp = tp
-        self.model = DecoderModel(config, tp, quantization, device)
+        self.expert_parallel = expert_parallel
+        self.model = DecoderModel(config, tp, quantization, device, expert_parallel)
         self.lm_head = ParallelLMHead(
             config.vocab_size, config.hidden_size, tp=tp, params_dtype=config.dtype, device=device
         )
@@ -240,8 +256,11 @@ class CausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load checkpoint-format (name, tensor) pairs through the parameters' weight loaders.
 
-        Returns the names of the parameters written. Unknown names raise UnknownTensorError; a tensor
-        of the wrong shape or an integer tensor for a float weight raises LayoutMismatchError naming it.
+        Returns the names of the parameters written (or skipped: another rank's experts under expert
+        parallelism). Unknown names (an expert id past ``num_experts`` included) raise
+        UnknownTensorError; a tensor of the wrong shape or an integer tensor for a float weight raises
+        LayoutMismatchError naming it. Expert keys go to ``mlp.experts.w13_weight`` / ``w2_weight`` as
+        ``weight_loader(param, tensor, param_name, shard_id=, expert_id=)`` (vLLM's FusedMoE loader).
         """
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
@@ -250,6 +269,23 @@ class CausalLM(nn.Module):
                 continue  # derived from the config, never loaded
             if self.config.tie_word_embeddings and name == "lm_head.weight":
                 continue  # the head *is* the embedding
+            expert = expert_target(name, self.config.num_experts) if self.config.num_experts else None
+            if expert is not None:
+                target, expert_id, moe_shard = expert
+                param = params.get(target)
+                if param is None:
+                    raise UnknownTensorError(
+                        f"{name}: the model has no experts for this checkpoint tensor (looked for "
+                        f"{target!r}; layers in mlp_only_layers or off decoder_sparse_step are dense)"
+                    )
+                try:
+                    param.weight_loader(  # type: ignore[attr-defined]
+                        param, tensor, target, shard_id=moe_shard, expert_id=expert_id
+                    )
+                except LayoutMismatchError as e:
+                    raise LayoutMismatchError(f"{name}: {e}") from None
+                loaded.add(target)
+                continue
             target, shard_id = name, None
             for fused, part, sid in STACKED_PARAMS:
                 if f".{part}." in name:

@@ -26,6 +26,7 @@ __all__ = [
     "MergedColumnParallelLinear",
     "ParallelLMHead",
     "QKVParallelLinear",
+    "ReplicatedLinear",
     "RowParallelLinear",
     "TPInfo",
     "VocabParallelEmbedding",
@@ -122,6 +123,18 @@ class LinearBase(nn.Module):
     def _bias(self) -> torch.Tensor | None:
         b = self._parameters.get("bias")
         return None if b is None else b
+
+
+class ReplicatedLinear(LinearBase):
+    """The whole weight on every rank (an MoE router); the output needs no collective."""
+
+    def __init__(self, input_size: int, output_size: int, **kw) -> None:
+        super().__init__(input_size, output_size, **kw)
+        self._create(input_size, [output_size])
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+        check_loadable(param, loaded)
+        param.data.copy_(loaded)
 
 
 class ColumnParallelLinear(LinearBase):

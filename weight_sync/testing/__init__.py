@@ -2,6 +2,7 @@
 
 from weight_sync.testing.checkpoint import (
     ARCHS,
+    MOE_PRESETS,
     PRESETS,
     hf_config,
     make_checkpoint,
@@ -22,6 +23,7 @@ from weight_sync.testing.dit import (
 
 __all__ = [
     "ARCHS",
+    "MOE_PRESETS",
     "PRESETS",
     "DiTBlock",
     "DiTConfig",

@@ -3,6 +3,12 @@
 No network, ever. Weights are random (std ~0.2 on matrices at hidden 128, scaled down for wider models) so
 that different seeds give clearly different greedy outputs. The tokenizer maps each printable ASCII
 character to one token, so "3 4 = 12" round-trips exactly.
+
+``arch="qwen3_moe"`` writes a Qwen3-MoE checkpoint with HF's config keys (``num_experts``,
+``num_experts_per_tok``, ``moe_intermediate_size``, ``decoder_sparse_step``, ``mlp_only_layers``,
+``norm_topk_prob``) and tensor names (``mlp.gate.weight``, ``mlp.experts.{e}.{gate,up,down}_proj.weight``);
+its presets are :data:`MOE_PRESETS`. Large presets (``qwen3-8b``, ``qwen3-30b-a3b``) are meant for
+``hf_config`` + ``random_weights`` on the device, not for writing to disk.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from weight_sync.errors import ConfigError
 
 __all__ = [
     "ARCHS",
+    "MOE_PRESETS",
     "PRESETS",
     "hf_config",
     "make_checkpoint",
@@ -27,7 +34,7 @@ __all__ = [
     "write_tokenizer",
 ]
 
-ARCHS = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+ARCHS = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(vocab_size=1024, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -45,6 +52,24 @@ PRESETS: dict[str, dict[str, Any]] = {
                      tie_word_embeddings=False),
 }
 
+# Presets of arch "qwen3_moe": full shapes (dense fields + the MoE fields of HF's Qwen3MoeConfig).
+# ``intermediate_size`` is the width of the dense MLP of layers outside the sparse schedule (mlp_only_layers).
+MOE_PRESETS: dict[str, dict[str, Any]] = {
+    # 8 experts, top-2: routing differs visibly between tokens; moe_intermediate_size 64 splits over TP=2.
+    "tiny": dict(PRESETS["tiny"], num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                 decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True),
+    # The shape of Qwen/Qwen3-30B-A3B (48 layers, 128 experts, top-8): 30.5B parameters, for benchmarks
+    # through hf_config + random_weights (61 GB in bf16: not something to write to disk by default).
+    "qwen3-30b-a3b": dict(vocab_size=151936, hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, intermediate_size=6144,
+                          tie_word_embeddings=False, max_position_embeddings=40960, num_experts=128,
+                          num_experts_per_tok=8, moe_intermediate_size=768, decoder_sparse_step=1,
+                          mlp_only_layers=[], norm_topk_prob=True),
+}
+
+_MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step",
+             "mlp_only_layers", "norm_topk_prob")
+
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
 CHARS = [c for c in string.printable if c not in "\t\n\r\x0b\x0c"]  # 95 printable incl. space
 
@@ -54,9 +79,10 @@ def hf_config(arch: str = "qwen3", preset: str = "tiny", dtype: torch.dtype = to
     """The config.json dict for ``arch`` / ``preset`` with ``overrides`` applied."""
     if arch not in ARCHS:
         raise ConfigError(f"arch must be one of {sorted(ARCHS)}, got {arch!r}")
-    if preset not in PRESETS:
-        raise ConfigError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
-    p = {**PRESETS[preset], **overrides}
+    presets = MOE_PRESETS if arch == "qwen3_moe" else PRESETS
+    if preset not in presets:
+        raise ConfigError(f"preset must be one of {sorted(presets)} for arch {arch!r}, got {preset!r}")
+    p = {**presets[preset], **overrides}
     dtype_name = str(dtype).removeprefix("torch.")
     cfg: dict[str, Any] = {
         "architectures": [ARCHS[arch]],
@@ -83,6 +109,12 @@ def hf_config(arch: str = "qwen3", preset: str = "tiny", dtype: torch.dtype = to
         "eos_token_id": 2,
         "pad_token_id": 0,
     }
+    if arch == "qwen3_moe":
+        # HF's Qwen3MoeConfig fields, in its order; the router's aux loss only matters for training.
+        cfg.update({k: p[k] for k in _MOE_KEYS})
+        cfg["mlp_only_layers"] = list(cfg["mlp_only_layers"])
+        cfg["output_router_logits"] = False
+        cfg["router_aux_loss_coef"] = 0.001
     if arch == "llama":
         cfg["mlp_bias"] = False
         cfg["pretraining_tp"] = 1
@@ -95,6 +127,23 @@ def hf_config(arch: str = "qwen3", preset: str = "tiny", dtype: torch.dtype = to
     if cfg["hidden_size"] < 1 or cfg["num_attention_heads"] < 1:
         raise ConfigError(f"hidden_size and num_attention_heads must be positive, got {cfg}")
     return cfg
+
+
+def is_moe_layer(cfg: dict[str, Any], index: int) -> bool:
+    """Whether layer ``index`` of ``cfg`` is a sparse MoE block (HF's Qwen3MoeDecoderLayer rule)."""
+    experts = cfg.get("num_experts") or 0
+    step = cfg.get("decoder_sparse_step") or 1
+    return experts > 0 and index not in (cfg.get("mlp_only_layers") or []) and (index + 1) % step == 0
+
+
+def num_tensors(cfg: dict[str, Any]) -> int:
+    """How many tensors :func:`random_weights` yields for ``cfg``."""
+    per_layer = 8 if cfg["architectures"][0].startswith("Qwen3") else 6
+    per_layer += 3 if cfg.get("attention_bias", False) else 0
+    n = 2 + (0 if cfg.get("tie_word_embeddings", False) else 1)
+    for i in range(cfg["num_hidden_layers"]):
+        n += per_layer + (1 + 3 * cfg["num_experts"] if is_moe_layer(cfg, i) else 3)
+    return n
 
 
 def random_weights(
@@ -130,6 +179,15 @@ def random_weights(
             yield p + "self_attn.q_norm.weight", norm(hd)
             yield p + "self_attn.k_norm.weight", norm(hd)
         yield p + "post_attention_layernorm.weight", norm(h)
+        if is_moe_layer(cfg, i):
+            # HF order: the router, then every expert's gate, up and down projections.
+            moe = cfg["moe_intermediate_size"]
+            yield p + "mlp.gate.weight", mat(cfg["num_experts"], h)
+            for e in range(cfg["num_experts"]):
+                yield p + f"mlp.experts.{e}.gate_proj.weight", mat(moe, h)
+                yield p + f"mlp.experts.{e}.up_proj.weight", mat(moe, h)
+                yield p + f"mlp.experts.{e}.down_proj.weight", mat(h, moe)
+            continue
         yield p + "mlp.gate_proj.weight", mat(inter, h)
         yield p + "mlp.up_proj.weight", mat(inter, h)
         yield p + "mlp.down_proj.weight", mat(h, inter)
@@ -177,7 +235,8 @@ def make_checkpoint(
 ) -> Path:
     """Write an HF model directory that transformers and vLLM can load; returns its path.
 
-    ``config_overrides`` change any config field (``hidden_size=96, num_attention_heads=3, head_dim=32``).
+    ``config_overrides`` change any config field (``hidden_size=96, num_attention_heads=3, head_dim=32``;
+    for ``arch="qwen3_moe"`` also ``num_experts=4, mlp_only_layers=[1]``).
     """
     from safetensors.torch import save_file
 
@@ -186,7 +245,7 @@ def make_checkpoint(
     from tqdm.auto import tqdm
 
     cfg = hf_config(arch, preset, dtype, **config_overrides)
-    count = 2 + cfg["num_hidden_layers"] * 11 + (0 if cfg.get("tie_word_embeddings") else 1)
+    count = num_tensors(cfg)
     # A bar only where it takes seconds (the 0.6B/8B-shaped presets), and only on a terminal.
     weights = tqdm(random_weights(cfg, seed=seed, dtype=dtype), total=count, unit="tensor",
                    desc=f"generating {arch}/{preset}", leave=False, disable=None if count > 100 else True)
