@@ -35,11 +35,12 @@ def pick_rule(driver: EngineDriver, rng: random.Random) -> str:
 
 
 def replay_tp(rank: int, world: int, flavor: str, seeds: list[int], num_steps: int) -> dict:
-    """Run one random sequence per seed on this rank's shard; the first violation ends the replay."""
+    """Run one random sequence per seed on this rank's shard; a violation ends its sequence (and is
+    returned with the steps that led to it), the next sequence starts on a fresh engine."""
     import torch.distributed as dist
 
     group = dist.group.WORLD
-    out: dict[str, Any] = {"sequences": 0, "steps": 0, "violation": None}
+    out: dict[str, Any] = {"sequences": 0, "steps": 0, "violations": []}
     for seed in seeds:
         rng = random.Random(seed)
         d = EngineDriver(flavor, tp_group=group)
@@ -52,9 +53,8 @@ def replay_tp(rank: int, world: int, flavor: str, seeds: list[int], num_steps: i
                 out["steps"] += 1
             d.final_check()
         except Violation as e:
-            out["violation"] = {"kind": type(e).__name__, "message": str(e), "seed": seed,
-                                "steps": [[r, {k: repr(v) for k, v in p.items()}] for r, p in d.log]}
-            break
+            out["violations"].append({"kind": type(e).__name__, "message": str(e), "seed": seed,
+                                      "steps": [[r, {k: repr(v) for k, v in p.items()}] for r, p in d.log]})
     out["stats"] = dict(STATS)
     return out
 
