@@ -10,8 +10,10 @@ makes.
 A receiver that fails mid-call (checksum, load error) stops loading but keeps receiving the call's
 buckets, so the sender and the other receivers are never left waiting; at the call's status exchange
 every rank raises the same error and the session is aborted (rolled back bitwise with ``rollback=True``,
-otherwise the model is marked torn and refuses to serve). A dead or silent peer raises within the
-timeout and breaks the transport.
+otherwise the model is marked torn and refuses to serve). An engine that fails the update itself,
+before this receiver took the sender's call, ends it the same way with ``abort_weight_update(error)``.
+A dead or silent peer raises within the timeout and breaks the transport; from connect to close a
+heartbeat (``liveness``) lets the sender name this receiver if its process dies or is stopped.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ Every phase ends with a status exchange, so a failure on any rank (a bad manifes
 disagrees with it, a checksum mismatch, a receiver whose load failed) makes every rank raise the same
 error; a sender whose source fails mid-call keeps the receivers' bucket sequence going with ABORT
 buckets (no packing) so nobody is left waiting. Communication failures (a dead peer, a timeout) break
-the transport: every rank raises at once and a new connection is needed.
+the transport: every rank raises at once and a new connection is needed; the sender's call raises
+``TransportTimeout`` naming the receivers whose heartbeat stopped (``liveness``), if any did.
 """
 
 from __future__ import annotations

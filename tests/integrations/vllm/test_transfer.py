@@ -131,3 +131,94 @@ def test_a_killed_trainer_is_reported_within_the_timeout_and_the_engine_refuses_
     assert greedy(llm) == fresh_tokens["b"]
     assert healthy.recv() == "done"
     assert healthy.join() == 0
+
+
+# vLLM's own NCCL backend takes these fields; the weight_sync backend's update_info has none, so vLLM's
+# parse fails inside the worker's update_weights, before the receiver takes the sender's call.
+REJECTED_INFO = {"names": [K_PROJ], "dtype_names": ["bfloat16"], "shapes": [[64, 128]]}
+REJECTED_MESSAGE = "unexpected keyword argument 'names'"
+
+
+def _failed_within(outcome: str, limit_s: float) -> None:
+    """The trainer's report of a failed call: the agreed error naming the engine's, well before its timeout."""
+    assert outcome.startswith("failed TransportError after "), outcome
+    assert REJECTED_MESSAGE in outcome and "rank 1 in update_weights" in outcome, outcome
+    elapsed = float(outcome.split(" after ", 1)[1].split(" s:", 1)[0])
+    assert elapsed < limit_s, f"the trainer learned of the engine's failure after {elapsed} s: {outcome}"
+
+
+def test_an_update_the_engine_fails_fails_the_trainer_at_once_and_the_same_connection_updates_next(
+    llm, vllm_ckpts, fresh_tokens
+) -> None:
+    trainer = Trainer([("good", vllm_ckpts["a"]), ("rejected", vllm_ckpts["b"]), ("good", vllm_ckpts["b"])])
+    llm.init_weight_transfer_engine({"init_info": {"address": trainer.address}})
+    _update(llm)
+    assert trainer.recv() == "committed 1"
+    llm.start_weight_update()
+    with pytest.raises(Exception, match=REJECTED_MESSAGE):
+        llm.update_weights({"update_info": REJECTED_INFO})
+    _failed_within(trainer.recv(), TIMEOUT_S / 2)
+    # Nothing of the failed update was written: the session is over on both sides, the old weights serve.
+    assert llm.collective_rpc("ws_status")[0] == {"torn": None, "version": 1, "updating": False}
+    assert greedy(llm) == fresh_tokens["a"]
+    # A reload is not refused as "already in progress", and the next update runs on the same connection.
+    llm.collective_rpc("reload_weights", kwargs={"weights_path": str(vllm_ckpts["a"]), "version": "reload"})
+    _update(llm, "b")
+    assert trainer.recv() == "committed 3"
+    assert llm.collective_rpc("ws_status")[0] == {"torn": None, "version": 3, "updating": False}
+    assert greedy(llm) == fresh_tokens["b"]
+    assert trainer.recv() == "done"
+    assert trainer.join() == 0
+
+
+def test_an_update_the_engine_fails_after_a_first_call_leaves_it_torn_until_the_next_update_on_the_connection(
+    llm, vllm_ckpts, fresh_tokens
+) -> None:
+    from weight_sync import TornModelError
+
+    trainer = Trainer([("good", vllm_ckpts["a"]), ("rejected_second", vllm_ckpts["b"]), ("good", vllm_ckpts["b"])])
+    llm.init_weight_transfer_engine({"init_info": {"address": trainer.address}})
+    _update(llm)
+    assert trainer.recv() == "committed 1"
+    llm.start_weight_update()
+    llm.update_weights({"update_info": {}})  # the first half of checkpoint B is written
+    assert trainer.recv() == "first call sent"
+    with pytest.raises(Exception, match=REJECTED_MESSAGE):
+        llm.update_weights({"update_info": REJECTED_INFO})
+    _failed_within(trainer.recv(), TIMEOUT_S / 2)
+    status = llm.collective_rpc("ws_status")[0]
+    assert status["updating"] is False and REJECTED_MESSAGE in (status["torn"] or ""), status
+    with pytest.raises(TornModelError, match=r"refused"):
+        greedy(llm)
+    _update(llm, "b")
+    assert trainer.recv() == "committed 3"
+    assert llm.collective_rpc("ws_status")[0]["torn"] is None
+    assert greedy(llm) == fresh_tokens["b"]
+    assert trainer.recv() == "done"
+    assert trainer.join() == 0
+
+
+def test_a_finish_that_fails_ends_the_session_and_the_next_start_works_on_the_same_connection(
+    llm, vllm_ckpts, fresh_tokens
+) -> None:
+    from weight_sync import TornModelError
+
+    trainer = Trainer([("good", vllm_ckpts["a"]), ("incomplete", vllm_ckpts["b"]), ("good", vllm_ckpts["b"])])
+    llm.init_weight_transfer_engine({"init_info": {"address": trainer.address}})
+    _update(llm)
+    assert trainer.recv() == "committed 1"
+    llm.start_weight_update()
+    llm.update_weights({"update_info": {}})  # half of checkpoint B's tensors
+    with pytest.raises(Exception, match=r"announced tensor\(s\) never arrived"):
+        llm.finish_weight_update()
+    assert trainer.recv().startswith("failed AgreedManifestError: finish_weight_update failed")
+    status = llm.collective_rpc("ws_status")[0]
+    assert status["updating"] is False and status["torn"], status
+    with pytest.raises(TornModelError, match=r"refused"):
+        greedy(llm)
+    _update(llm, "b")  # vLLM's own session must be over too, or this start is refused as "already active"
+    assert trainer.recv() == "committed 3"
+    assert llm.collective_rpc("ws_status")[0]["torn"] is None
+    assert greedy(llm) == fresh_tokens["b"]
+    assert trainer.recv() == "done"
+    assert trainer.join() == 0

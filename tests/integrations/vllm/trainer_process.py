@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from typing import Any
 
 import torch
@@ -34,10 +35,24 @@ def _dying(manifest: Manifest, tensors: dict[str, torch.Tensor]):
         yield name, tensors[name]
 
 
+def _expect_failure(conn: Any, sender: WeightSender, tensors: dict[str, torch.Tensor]) -> None:
+    """Send the rest of the update in one call the engine is expected to fail; report the error and how
+    long the call took."""
+    t0 = time.monotonic()
+    try:
+        sender.update_weights(tensors)
+    except Exception as e:
+        conn.send(f"failed {type(e).__name__} after {time.monotonic() - t0:.1f} s: {e}")
+    else:
+        conn.send("sent")
+
+
 def run_trainer(conn: Any, steps: list[tuple[str, str]], timeout_s: float, zero_copy: bool = False) -> None:
     """Steps: ("good", ckpt) a full update; ("bad_shape", ckpt) a manifest announcing a wrong shape;
-    ("die", ckpt) start an update and get SIGKILLed in the middle of sending it. zero_copy: shm zero-copy
-    (the engine copies from this process's tensors) instead of gloo buckets."""
+    ("die", ckpt) start an update and get SIGKILLed in the middle of sending it; ("rejected", ckpt) an
+    update whose one call the engine fails; ("rejected_second", ckpt) an update in two calls whose second
+    one the engine fails; ("incomplete", ckpt) an update finished after half of its tensors. zero_copy: shm zero-copy (the engine copies from this process's tensors)
+    instead of gloo buckets."""
     config = (TransportConfig(backend="shm", zero_copy=True, checksum=False, timeout_s=timeout_s) if zero_copy
               else TransportConfig(backend="gloo", bucket_bytes=64 << 10, timeout_s=timeout_s))
     sender = WeightSender(config, num_receivers=1)
@@ -55,6 +70,24 @@ def run_trainer(conn: Any, steps: list[tuple[str, str]], timeout_s: float, zero_
                 sender.start_weight_update(bad, version=i)
             except Exception as e:
                 conn.send(f"refused {type(e).__name__}: {e}")
+        elif kind == "rejected":
+            sender.start_weight_update(manifest, version=i)
+            _expect_failure(conn, sender, tensors)
+        elif kind == "rejected_second":
+            sender.start_weight_update(manifest, version=i)
+            half = list(manifest.names[: len(manifest) // 2])
+            sender.update_weights([(n, tensors[n]) for n in half], names=half)
+            conn.send("first call sent")
+            _expect_failure(conn, sender, tensors)
+        elif kind == "incomplete":
+            sender.start_weight_update(manifest, version=i)
+            half = list(manifest.names[: len(manifest) // 2])
+            sender.update_weights([(n, tensors[n]) for n in half], names=half)
+            try:
+                sender.finish_weight_update()
+                conn.send("committed")
+            except Exception as e:
+                conn.send(f"failed {type(e).__name__}: {e}")
         elif kind == "die":
             sender.start_weight_update(manifest, version=i)
 

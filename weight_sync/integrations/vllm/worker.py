@@ -77,6 +77,25 @@ class WeightSyncWorkerMixin:
             )
         prepare_loaded_model(model, self.vllm_config)
 
+    # ------------------------------------------------------------------ vLLM's RL API
+    def finish_weight_update(self) -> None:
+        """vLLM's ``finish_weight_update``; a failed one also ends vLLM's session.
+
+        vLLM 0.32 ends its session (``_weight_update_active``) when ``start_weight_update`` or
+        ``update_weights`` raises, but not when ``finish_weight_update`` does: its worker would then refuse
+        every later start as "already active" although weight_sync's session is over (every rank raised
+        the agreed error and aborted it, or the receiver aborts it in ``reset_weight_update_target``).
+        """
+        try:
+            super().finish_weight_update()  # type: ignore[misc]
+        except BaseException:
+            if getattr(self, "_weight_update_active", False):
+                self._weight_update_active = False
+                engine = getattr(self, "weight_transfer_engine", None)
+                if engine is not None:
+                    engine.reset_weight_update_target()
+            raise
+
     # ------------------------------------------------------------------ reload
     def reload_weights(
         self,
