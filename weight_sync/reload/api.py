@@ -19,6 +19,7 @@ from torch import nn
 from weight_sync.checkpoints import checkpoint_metas, map_checkpoint
 from weight_sync.errors import SourceError, UpdateStateError, WeightSyncError
 from weight_sync.manifest import Manifest, TensorMeta
+from weight_sync.reload.loaders import route_weight_loaders
 from weight_sync.reload.report import UpdateReport
 from weight_sync.reload.session import UpdateSession
 from weight_sync.reload.state import get_state, has_state
@@ -137,7 +138,9 @@ def guarded_source(source: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any
 
 
 def initialize_layerwise_reload(model: nn.Module, **options: Any) -> UpdateSession:
-    """Open an update and route ``model.load_weights(...)`` into it until the update ends.
+    """Open an update and route ``model.load_weights(...)`` and every parameter's ``weight_loader``
+    into it until the update ends (a direct ``param.weight_loader(param, w, shard_id)`` call loads the
+    checkpoint tensor that makes that call: see :mod:`weight_sync.reload.loaders`).
 
     The routing lasts as long as the session: finalized, or aborted because a ``load_weights`` call
     failed (the model is then rolled back or torn, as ``rollback`` says), ``model.load_weights`` is the
@@ -162,6 +165,8 @@ def initialize_layerwise_reload(model: nn.Module, **options: Any) -> UpdateSessi
     model.__dict__["_ws_saved_load_weights"] = original
     model.__dict__["load_weights"] = load_weights
     session.on_close(unroute)
+    # As vLLM's version does, every parameter's weight_loader is part of the reload too.
+    session.on_close(route_weight_loaders(session))
     return session
 
 

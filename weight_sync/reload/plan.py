@@ -8,18 +8,48 @@ the keys it expects before it is complete. Plans only grow: a key's plan never c
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import inspect
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 if TYPE_CHECKING:
     from weight_sync.layers.meta import TensorRecord
 
-__all__ = ["CopyOp", "KeyMode", "KeyPlan", "Plan"]
+__all__ = ["CopyOp", "KeyMode", "KeyPlan", "LoaderCall", "Plan", "loader_call_args"]
 
 KeyMode = Literal["copy", "loader", "ignored"]
+
+# A ``weight_loader`` call as the plan remembers it: (layer, tensor, the call's arguments after the
+# parameter and the loaded tensor, bound to the loader's signature: ((name, value), ...)).
+LoaderCall = tuple[str, str, tuple[tuple[str, Any], ...]]
+
+_SIGNATURES: dict[Any, inspect.Signature | None] = {}
+
+
+def loader_call_args(loader: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> tuple | None:
+    """The arguments of ``loader(param, loaded, *rest)`` after the first two, by name, defaults applied
+    (so ``shard_id="q"`` and a positional ``"q"`` compare equal); None when they are not hashable."""
+    fn = getattr(loader, "__func__", loader)
+    if fn not in _SIGNATURES:
+        try:
+            _SIGNATURES[fn] = inspect.signature(loader)
+        except (TypeError, ValueError):
+            _SIGNATURES[fn] = None
+    sig = _SIGNATURES[fn]
+    if sig is None:
+        bound = tuple(enumerate(args[2:])) + tuple(sorted(kwargs.items()))
+    else:
+        ba = sig.bind(*args, **kwargs)
+        ba.apply_defaults()
+        bound = tuple(ba.arguments.items())[2:]
+    try:
+        hash(bound)
+    except TypeError:
+        return None
+    return bound
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +77,8 @@ class KeyPlan:
     mode: KeyMode
     layers: tuple[str, ...]
     ops: tuple[CopyOp, ...] = ()
+    # The weight_loader calls the model's load_weights made for this key (see LoaderCall).
+    calls: tuple[LoaderCall, ...] = ()
     # True when the destination is a floating-point weight (integer data cannot stand for it).
     floating: bool = field(init=False)
 
@@ -62,6 +94,8 @@ class Plan:
     layer_keys: dict[str, set[str]] = field(default_factory=dict)
     # Per layer, the tensors its keys' recorded copies write entirely (computed on demand, cached).
     coverage: dict[str, frozenset[str]] = field(default_factory=dict)
+    # A key's single weight_loader call -> the key (None where two keys made the same call).
+    loader_calls: dict[LoaderCall, str | None] = field(default_factory=dict)
 
     def add(self, kp: KeyPlan) -> None:
         old = self.keys.get(kp.name)
@@ -69,10 +103,16 @@ class Plan:
             for layer in old.layers:
                 self.layer_keys.get(layer, set()).discard(kp.name)
                 self.coverage.pop(layer, None)
+            for call in old.calls:
+                if self.loader_calls.get(call) == kp.name:
+                    del self.loader_calls[call]
         self.keys[kp.name] = kp
         for layer in kp.layers:
             self.layer_keys.setdefault(layer, set()).add(kp.name)
             self.coverage.pop(layer, None)
+        if len(kp.calls) == 1:
+            call = kp.calls[0]
+            self.loader_calls[call] = kp.name if self.loader_calls.get(call, kp.name) == kp.name else None
 
     def fully_written(self, layer: str, records: Mapping[str, TensorRecord]) -> frozenset[str]:
         """Names of ``layer``'s tensors that the recorded copies of its keys overwrite element by element.

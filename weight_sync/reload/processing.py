@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,6 +93,8 @@ class ProcessedLayers:
     _seconds: dict[str, float]
     _host: torch.device
     _lenders: set[str]
+    # Installs direct weight_loader routing on a tensor (set while initialize_layerwise_reload routes).
+    route: Callable[[str, str, torch.Tensor], Any] | None
 
     def _snapshot(self, info: LayerInfo, tensors: dict[str, torch.Tensor] | None = None) -> None:
         """Host copies of the layer's live tensors (or of ``tensors``), taken before their first write."""
@@ -147,6 +150,9 @@ class ProcessedLayers:
                 data.zero_()
             raw[name] = (key, data)
             staging[name] = rematerialize(rec, where, pin=pin, data=data)
+        if self.route is not None:
+            for name, t in staging.items():
+                self.route(info.name, name, t)
         # One pass over the module's attributes: tensors to reinstall later, and non-tensor attributes a
         # processor added (flags, handles) that the layer must lose while it is back in model format.
         extra: dict[str, Any] = {}

@@ -14,7 +14,8 @@ copies; their keys are marked ``loader`` and run through the real loader, which 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,15 +25,20 @@ from weight_sync.errors import LayoutMismatchError, WeightSyncError
 from weight_sync.layers.blocks import block_key
 from weight_sync.layers.meta import install_tensor, rematerialize
 from weight_sync.manifest import TensorMeta
-from weight_sync.reload.plan import CopyOp, KeyMode, KeyPlan
+from weight_sync.reload.plan import CopyOp, KeyMode, KeyPlan, LoaderCall, loader_call_args
 from weight_sync.reload.state import LayerInfo, ModelState, model_load_weights
 
 __all__ = ["plan_keys", "swapped_tensors"]
 
 
 @contextlib.contextmanager
-def swapped_tensors(layers: Iterable[LayerInfo]) -> Iterator[dict[int, tuple[str, str]]]:
-    """Install meta model-format tensors on ``layers``; yield storage id -> (layer, tensor); restore."""
+def swapped_tensors(
+    layers: Iterable[LayerInfo], on_call: Callable[[LoaderCall], None] | None = None
+) -> Iterator[dict[int, tuple[str, str]]]:
+    """Install meta model-format tensors on ``layers``; yield storage id -> (layer, tensor); restore.
+
+    ``on_call`` is told of every ``weight_loader`` call made on an installed tensor.
+    """
     saved: list[tuple[nn.Module, dict, dict, dict]] = []
     storages: dict[int, tuple[str, str]] = {}
     try:
@@ -42,6 +48,9 @@ def swapped_tensors(layers: Iterable[LayerInfo]) -> Iterator[dict[int, tuple[str
             saved.append((mod, dict(mod._parameters), dict(mod._buffers), attrs))
             for rec in info.records.values():
                 t = rematerialize(rec, "meta")  # same class, layout and loader attributes; no memory
+                loader = getattr(t, "weight_loader", None)
+                if on_call is not None and loader is not None:
+                    t.weight_loader = _reporting(loader, info.name, rec.name, on_call)  # type: ignore[attr-defined]
                 install_tensor(mod, rec, t)
                 storages[t.untyped_storage()._cdata] = (info.name, rec.name)
         yield storages
@@ -54,6 +63,19 @@ def swapped_tensors(layers: Iterable[LayerInfo]) -> Iterator[dict[int, tuple[str
             for k in [k for k, v in vars(mod).items() if isinstance(v, torch.Tensor)]:
                 del mod.__dict__[k]
             mod.__dict__.update(attrs)
+
+
+def _reporting(loader: Callable[..., Any], layer: str, tensor: str,
+               on_call: Callable[[LoaderCall], None]) -> Callable[..., Any]:
+    """``loader``, telling ``on_call`` of each call (layer, tensor, its arguments) before running it."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        bound = loader_call_args(loader, args, kwargs)
+        if bound is not None:
+            on_call((layer, tensor, bound))
+        return loader(*args, **kwargs)
+
+    return call
 
 
 def _is_mutating(func) -> bool:
@@ -73,10 +95,15 @@ class _Recorder(TorchDispatchMode):
         self.ops: list[CopyOp] = []
         self.loader_layers: set[str] = set()
         self.computed = False
+        self.calls: list[LoaderCall] = []
 
     def start(self, key: str, src: torch.Tensor) -> None:
         self.key, self.src = key, src
-        self.ops, self.loader_layers, self.computed = [], set(), False
+        self.ops, self.loader_layers, self.computed, self.calls = [], set(), False, []
+
+    def on_call(self, call: LoaderCall) -> None:
+        if self.key is not None:
+            self.calls.append(call)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -169,7 +196,8 @@ def _dry_run(
     plans: list[KeyPlan] = []
     problems: dict[str, WeightSyncError] = {}
     load = model_load_weights(model)
-    with swapped_tensors(layers) as storages:
+    rec = _Recorder({}, {})
+    with swapped_tensors(layers, rec.on_call) as storages:
         bases: dict[tuple[str, str], int] = {}
         for info in layers:
             for name in info.records:
@@ -177,7 +205,7 @@ def _dry_run(
                 if t is None:
                     t = info.module._buffers.get(name)
                 bases[(info.name, name)] = int(t.storage_offset()) if t is not None else 0
-        rec = _Recorder(storages, bases)
+        rec.storages, rec.bases = storages, bases
         pending = list(metas)
         while pending:
             current: list[TensorMeta] = []
@@ -232,5 +260,6 @@ def _finish(meta: TensorMeta, rec: _Recorder) -> KeyPlan:
         mode=mode,
         layers=layers,
         ops=tuple(rec.ops) if mode == "copy" else (),
+        calls=tuple(rec.calls),
     )
 

@@ -112,6 +112,8 @@ class UpdateSession(ProcessedLayers):
         self._spilled = 0
         self._waited: set[str] = set()
         self._on_close: list[Callable[[], None]] = []
+        self.route: Callable[[str, str, torch.Tensor], Any] | None = None
+        self._loading = 0  # load() calls in progress (a loader reached from one is the session's own)
         self._num_bytes = 0
         self._replayed = 0
         self._via_loader = 0
@@ -162,6 +164,7 @@ class UpdateSession(ProcessedLayers):
         # more than the bookkeeping of a small tensor.
         grad = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)
+        self._loading += 1
         try:
             t0 = time.perf_counter()
             # A list or tuple can be looked at as a whole before loading (a generator is not
@@ -178,6 +181,7 @@ class UpdateSession(ProcessedLayers):
             self._fail(e)
             raise
         finally:
+            self._loading -= 1
             if self._lend:
                 self._lend = {}
             torch._C._set_grad_enabled(grad)
@@ -548,6 +552,11 @@ class UpdateSession(ProcessedLayers):
             self._fail(exc)
         elif self._status == "open":
             self.finish()
+
+    @property
+    def loading(self) -> bool:
+        """Whether a ``load`` call of this session is running (its loaders are its own writes)."""
+        return self._loading > 0
 
     @property
     def status(self) -> str:
