@@ -16,6 +16,7 @@ from weight_sync import (
     LayoutMismatchError,
     UnknownTensorError,
     finalize_layerwise_processing,
+    finalize_layerwise_reload,
     initialize_layerwise_reload,
 )
 from weight_sync.engine import ReferenceEngine
@@ -77,7 +78,7 @@ def test_a_direct_loader_call_of_the_wrong_shape_rolls_the_update_back(qwen3_a, 
     assert_bitwise_equal(engine.model, ReferenceEngine.from_checkpoint(qwen3_a, quantization="fp8").model)
     initialize_layerwise_reload(engine.model)
     _load_like_vllm(engine.model, items)
-    finalize_layerwise_processing(engine.model)
+    finalize_layerwise_reload(engine.model, None)  # vLLM's other name
     assert_bitwise_equal(engine.model, ReferenceEngine.from_checkpoint(qwen3_b, quantization="fp8").model)
 
 

@@ -12,6 +12,7 @@ patched partially); processors must produce the same kernel tensor shapes and dt
 from weight_sync.reload.api import (
     begin_update,
     finalize_layerwise_processing,
+    finalize_layerwise_reload,
     initialize_layerwise_reload,
     manifest_from_checkpoint,
     record_metadata_for_reloading,
@@ -37,6 +38,7 @@ __all__ = [
     "begin_update",
     "check_servable",
     "finalize_layerwise_processing",
+    "finalize_layerwise_reload",
     "fingerprint",
     "initialize_layerwise_reload",
     "manifest_from_checkpoint",

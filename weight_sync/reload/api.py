@@ -27,6 +27,7 @@ from weight_sync.reload.state import get_state, has_state
 __all__ = [
     "begin_update",
     "finalize_layerwise_processing",
+    "finalize_layerwise_reload",
     "guarded_source",
     "initialize_layerwise_reload",
     "manifest_from_checkpoint",
@@ -183,3 +184,8 @@ def finalize_layerwise_processing(model: nn.Module, model_config: Any = None) ->
         raise UpdateStateError(f"finalize_layerwise_processing: no layerwise reload is in progress{last}")
     session: UpdateSession = state.active
     return session.finish()
+
+
+def finalize_layerwise_reload(model: nn.Module, model_config: Any = None) -> UpdateReport:
+    """vLLM's other name for :func:`finalize_layerwise_processing` (same behaviour)."""
+    return finalize_layerwise_processing(model, model_config)
