@@ -7,10 +7,15 @@ physical bound ``max(1, h2d / compute)`` per block, our ratio to it, our ratio t
 device peak memory against ``non-block weights + 2 slots + activations``. ``--dp 2`` adds AllGather
 (NCCL on GPU, gloo on CPU) against resident at ``--dp-tokens``, in place and with landing buffers
 (``dlo_landing_buffers``) side by side, each with its device peak memory. A trace of one offloaded
-forward per variant is drawn as a PNG timeline (compute / H2D / AllGather lanes).
+forward per variant is drawn as a PNG timeline (compute / H2D / AllGather lanes). ``--quantization
+fp8_block [fp8 ...]`` adds, per name and token count, our offload with the block linears quantized
+online (``OffloadConfig.quantization``) against its baseline measured in the same run: the resident
+model quantized the same way (``weight_sync.quant.modules.quantize_linears`` on every block, resident),
+with the H2D bytes per block next to the dense ones and a bitwise check of the outputs.
 
 GPU (defaults: Flux-sized, 16 blocks, hidden 3072, 24 heads, bf16, 1024/4096/16384 tokens):
     python benchmarks/bench_offload.py --dp 2
+    python benchmarks/bench_offload.py --quantization fp8_block fp8 --tag h200_fp8   # fp8 streaming
 CPU (small):
     python benchmarks/bench_offload.py --device cpu
 Writes benchmarks/results/offload_<tag>.json / .md / _timeline.png (with --dp N also
@@ -139,12 +144,69 @@ def _loop_ms(fns: dict[str, Any], device: torch.device, *, steps: int, repeats: 
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
-def measure_single(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
-    """Resident, per-block compute/H2D, ours and diffusers for every token count, interleaved."""
+def _base_model(args: argparse.Namespace, dtype: torch.dtype) -> SyntheticDiT:
     torch.manual_seed(0)
     cfg = DiTConfig(hidden=args.hidden, heads=args.heads, num_blocks=args.num_blocks,
                     in_channels=args.in_channels, time_dim=256)
-    base = SyntheticDiT(cfg).to(dtype).eval().requires_grad_(False)
+    return SyntheticDiT(cfg).to(dtype).eval().requires_grad_(False)
+
+
+def measure_quantized(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> list[dict[str, Any]]:
+    """Per quantization name: resident quantized (the baseline), ours quantized, resident dense; interleaved.
+
+    The baseline is quantized on the host with the registry's processor, as our offload does, then moved
+    to the device, so both compute from the same bytes with the same kernels (bitwise equal outputs).
+    """
+    from weight_sync.quant.modules import quantize_linears
+
+    base = _base_model(args, dtype)
+    dense_block = _block_bytes(base)
+    resident = copy.deepcopy(base).to(device)
+    w, r = args.warmup, args.repeats
+    rows: list[dict[str, Any]] = []
+    for name in args.quantization:
+        q_resident = copy.deepcopy(base)
+        with torch.no_grad():
+            for block in q_resident.blocks:
+                quantize_linears(block, name)
+        q_resident = q_resident.to(device)
+        ours = copy.deepcopy(base)
+        handle = enable_layerwise_offload(ours, OffloadConfig(
+            enable_distributed_layerwise_offload=True, dlo_use_allgather=False, device=str(device),
+            quantization=name))
+        q_block = handle.metrics()["block_bytes"] // handle.metrics()["num_streamed_blocks"]
+        h2d = _h2d_ms(q_block, device, warmup=w, repeats=r)
+        with torch.no_grad():
+            for tokens in args.tokens:
+                x, t = _inputs(base, tokens, dtype, device)
+                fns = {"resident_q": partial(q_resident, x, t), "ours_q": partial(ours, x, t),
+                       "resident": partial(resident, x, t)}
+                ms = _interleaved_ms(fns, device, warmup=w, repeats=r)
+                compute = timed_ms(partial(q_resident.blocks[0], q_resident.proj_in(x)), device,
+                                   warmup=w, repeats=2 * r)
+                bound = max(1.0, h2d / compute)
+                rows.append({
+                    "quantization": name, "tokens": tokens, "resident_q_ms": ms["resident_q"],
+                    "ours_q_ms": ms["ours_q"], "resident_ms": ms["resident"],
+                    "ours_q_ratio": ms["ours_q"] / ms["resident_q"], "compute_per_block_ms": compute,
+                    "h2d_per_block_ms": h2d, "bound_ratio": bound,
+                    "ours_q_vs_bound": ms["ours_q"] / ms["resident_q"] / bound,
+                    "resident_q_vs_resident": ms["resident_q"] / ms["resident"],
+                    "block_bytes": q_block, "block_bytes_vs_dense": q_block / dense_block,
+                    "bitwise_equal": bool(torch.equal(fns["ours_q"](), fns["resident_q"]())),
+                })
+        handle.disable()
+        del q_resident, ours, handle, fns
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def measure_single(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    """Resident, per-block compute/H2D, ours and diffusers for every token count, interleaved."""
+    base = _base_model(args, dtype)
+    cfg = base.config
     block_bytes, non_block = _block_bytes(base), _non_block_bytes(base)
     w, r = args.warmup, args.repeats
     h2d = _h2d_ms(block_bytes, device, warmup=w, repeats=r)
@@ -453,6 +515,19 @@ def write_report(result: dict[str, Any], tag: str) -> Path:
             f"{r.get('ours_vs_diffusers', float('nan')):.2f} | {_gb(r.get('ours_peak_bytes'))} | "
             f"{_gb(r.get('peak_budget_bytes'))} |"
         )
+    if result.get("quantized"):
+        lines += ["", "Quantized blocks (no AllGather): the block linears quantized online; baseline = the "
+                  "resident model quantized the same way, measured in the same run (interleaved). Bound = "
+                  "max(1, H2D of one quantized block / its compute).", "",
+                  "| quantization | tokens | resident dense ms | resident quantized ms | ours quantized ms | "
+                  "ours / resident quantized | bound | ours / bound | block MB | vs dense | bitwise equal |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for q in result["quantized"]:
+            lines.append(
+                f"| {q['quantization']} | {q['tokens']} | {q['resident_ms']:.2f} | {q['resident_q_ms']:.2f} | "
+                f"{q['ours_q_ms']:.2f} | {q['ours_q_ratio']:.2f} | {q['bound_ratio']:.2f} | "
+                f"{q['ours_q_vs_bound']:.2f} | {q['block_bytes'] / 1e6:.1f} | {q['block_bytes_vs_dense']:.3f} | "
+                f"{q['bitwise_equal']} |")
     dp = result.get("dp")
     if dp and "ranks" in dp:
         lines += ["", f"AllGather dp={dp['dp']} at {dp['tokens']} tokens (the two offloaded variants timed "
@@ -527,6 +602,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loop-steps", type=int, default=6,
                    help="AllGather: forwards per back-to-back loop (a denoising loop's steps) for the loop timing")
     p.add_argument("--trace-tokens", type=int, default=None, help="token count for the timeline PNG")
+    p.add_argument("--quantization", nargs="+", default=[], metavar="NAME",
+                   help="also measure quantized blocks (quant registry names, e.g. fp8_block fp8)")
     p.add_argument("--tag", default=None)
     p.add_argument("--threads", type=int, default=None, help="CPU intra-op threads (default: 1 on CPU)")
     p.add_argument("--replot", default=None, metavar="JSON",
@@ -564,6 +641,9 @@ def main(argv: list[str] | None = None) -> int:
     result["single"] = measure_single(args, device, _DTYPES[args.dtype])
     for r in result["single"]["rows"]:
         print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
+    result["quantized"] = measure_quantized(args, device, _DTYPES[args.dtype]) if args.quantization else []
+    for q in result["quantized"]:
+        print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in q.items()}), flush=True)
     result["dp"] = measure_dp(args, device)
     if result["dp"] and "ranks" in result["dp"]:
         for r in result["dp"]["ranks"]:

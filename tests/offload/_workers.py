@@ -275,3 +275,44 @@ def missing_peer_call(rank: int, world: int, calls_by_rank: list[int]) -> dict[s
     # The default group, not a sleep: every rank returns only once the timed-out rank has reported.
     dist.barrier()
     return result
+
+
+def quantized_allgather_equal(
+    rank: int, world: int, dit: dict[str, Any], name: str, steps: int, device: str = "cpu"
+) -> dict[str, Any]:
+    """AllGather with the block linears quantized as ``name``, against the resident quantized model.
+
+    The oracle is built with ``weight_sync.quant`` alone: the same modules, every block ``nn.Linear``
+    replaced by the registry's ``QuantizedLinear`` (quantized on the host, as DLO does), kept on the device.
+    """
+    from weight_sync.quant.modules import quantize_linears
+
+    torch.set_num_threads(1)
+    device = _rank_device(rank, {"device": device})
+    torch.manual_seed(0)
+    base = SyntheticDiTPipeline(DiTConfig(**dit)).to(torch.bfloat16).eval()
+    dense_block_bytes = sum(p.numel() * p.element_size() for p in base.transformer.blocks.parameters())
+    ref, off = copy.deepcopy(base), copy.deepcopy(base)
+    for block in ref.transformer.blocks:
+        quantize_linears(block, name)
+    ref = ref.to(device)
+    expected = ref.generate(tokens=16, num_inference_steps=steps, seed=rank)
+    handle = enable_layerwise_offload(off, _config(world, device, quantization=name))
+    out = off.generate(tokens=16, num_inference_steps=steps, seed=rank)
+    metrics = handle.metrics()
+    handle.disable()
+    after = off.generate(tokens=16, num_inference_steps=steps, seed=rank)
+    return {"equal": torch.equal(out, expected), "equal_after_disable": torch.equal(after, expected),
+            "metrics": metrics, "dense_block_bytes": dense_block_bytes}
+
+
+def mismatched_quantization(rank: int, world: int) -> str:
+    """Rank 0 quantizes per tensor, rank 1 per channel: every rank fails at the digest, left unquantized."""
+    torch.set_num_threads(1)
+    _, off = _models({"num_blocks": 3})
+    try:
+        enable_layerwise_offload(off, _config(world, "cpu", quantization="fp8" if rank == 0 else "fp8_per_channel"))
+    except ConfigError as e:
+        linears = all(type(b.qkv) is torch.nn.Linear for b in off.transformer.blocks)
+        return f"{e} | still nn.Linear: {linears}"
+    return "no error"

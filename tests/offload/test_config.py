@@ -55,7 +55,6 @@ def test_flags_and_keyword_options_build_the_same_config() -> None:
     [
         ({"dlo_resident_layers": 2}, "dlo_resident_layers=2 requires --dlo-no-use-allgather"),
         ({"use_hsdp": True}, "double-shard"),
-        ({"quantization": "fp8"}, "online quantization"),
         ({"dlo_enable_runtime_cache": True}, "dlo_enable_runtime_cache=True requires --dlo-no-use-allgather"),
     ],
 )
@@ -66,6 +65,14 @@ def test_invalid_combinations_with_active_allgather_are_rejected_with_the_reason
         OffloadConfig(data_parallel_size=2, **options)
     # The same options are fine without AllGather.
     OffloadConfig(data_parallel_size=2, dlo_use_allgather=False, **options)
+
+
+@pytest.mark.parametrize("name", ["fp8", "fp8_per_channel", "fp8_block", "int8"])
+def test_every_registry_quantization_is_accepted_with_allgather_and_with_the_runtime_cache(name: str) -> None:
+    # Beyond the seed: quantized blocks shard like any others, and the cache holds the dense weights
+    # that quantization starts from.
+    assert OffloadConfig(data_parallel_size=2, quantization=name).allgather_active
+    OffloadConfig(dlo_use_allgather=False, dlo_enable_runtime_cache=True, quantization=name)
 
 
 def test_allgather_flag_is_inert_with_a_gather_group_of_one() -> None:
@@ -81,6 +88,7 @@ def test_allgather_flag_is_inert_with_a_gather_group_of_one() -> None:
         ({"dlo_resident_layers": -1}, "dlo_resident_layers must be"),
         ({"dlo_runtime_cache_lock_timeout": 0}, "lock_timeout must be > 0"),
         ({"alignment_bytes": 100}, "power of two"),
+        ({"quantization": "fp4"}, r"quantization must be None or one of .*'fp8_block'.* got: 'fp4'"),
     ],
 )
 def test_out_of_range_values_are_rejected_naming_the_option(options: dict, match: str) -> None:

@@ -1,6 +1,7 @@
 """GPU checks (run on the device machine): bitwise equality on CUDA, no hot-path allocation or sync,
 peak memory within non-block weights + 2 slots + activations, pinned host storage, NCCL AllGather
-(in place and with landing buffers)."""
+(in place and with landing buffers), quantized block streaming (fp8 / int8, scaled matmul from the
+slots, NCCL AllGather of quantized shards)."""
 
 from __future__ import annotations
 
@@ -166,3 +167,48 @@ def test_nccl_landing_buffers_add_no_allocation_to_the_forward() -> None:
     dit = {"hidden": 1024, "heads": 8, "num_blocks": 4, "in_channels": 16}
     for r in run_distributed(_workers.landing_allocations, 2, dit, backend="nccl"):
         assert r["ours"] == r["theirs"]  # activations only
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["fp8", "fp8_per_channel", "fp8_block", "int8"])
+def test_gpu_quantized_offload_is_bitwise_equal_to_the_resident_quantized_model(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import weight_sync.quant.fp8 as fp8
+    from weight_sync.quant.modules import quantize_linears
+
+    _, base = _pair()
+    ref = copy.deepcopy(base)
+    for block in ref.transformer.blocks:  # the oracle: quantized on the host like DLO, then resident
+        quantize_linears(block, name)
+    ref = ref.cuda()
+    expected = ref.generate(tokens=512, num_inference_steps=3, seed=1)
+    scaled: list[int] = []
+    real = fp8._scaled_mm_linear
+
+    def counting(x, q, *args, **kw):  # type: ignore[no-untyped-def]
+        scaled.append(q.untyped_storage().data_ptr())
+        return real(x, q, *args, **kw)
+
+    monkeypatch.setattr(fp8, "_scaled_mm_linear", counting)
+    with enable_layerwise_offload(base, _cfg(quantization=name)) as handle:
+        assert torch.equal(base.generate(tokens=512, num_inference_steps=3, seed=1), expected)
+        m = handle.metrics()
+        slots = {s.untyped_storage().data_ptr() for s in handle.streamer.slots}  # type: ignore[union-attr]
+    assert m["host_storage"] == "packed" and m["pinned_bytes"] >= m["block_bytes"]
+    dense = sum(p.numel() * p.element_size() for b in _pair()[1].transformer.blocks for p in b.parameters())
+    assert 0.49 <= m["block_bytes"] / dense <= 0.52
+    if name in ("fp8", "fp8_per_channel"):  # tensor / channel scales with bf16: torch._scaled_mm
+        assert slots & set(scaled), "the scaled matmul never read fp8 weights from a slot"
+    else:
+        assert not scaled
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.parametrize("name", ["fp8", "fp8_block"])
+def test_nccl_allgather_dp2_quantized_output_is_bitwise_equal_to_the_resident_quantized_model(name: str) -> None:
+    results = run_distributed(_workers.quantized_allgather_equal, 2, {"hidden": 512, "num_blocks": 4}, name,
+                              3, "cuda", backend="nccl")
+    for r in results:
+        assert r["equal"] and r["equal_after_disable"]
+        assert 0.24 <= r["metrics"]["host_bytes"] / r["dense_block_bytes"] <= 0.28

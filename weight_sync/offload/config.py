@@ -39,7 +39,12 @@ class OffloadConfig:
 
     Python-only knobs (deployment facts and tuning, not seed flags):
       ``tensor_parallel_size``: TP world size; ranks are laid out ``((dp * usp) + sp) * tp + tp_rank``.
-      ``use_hsdp`` / ``quantization``: declared so that invalid combinations are rejected.
+      ``use_hsdp``: declared so that HSDP with AllGather (double sharding) is rejected.
+      ``quantization``: a quant-registry name (``fp8``, ``fp8_per_channel``, ``fp8_block``, ``int8``,
+        ...): every ``nn.Linear`` of the offloaded blocks is quantized online when DLO takes them, and
+        the quantized bytes + scales are what the host holds, streams and computes from
+        (``weight_sync.offload.quantize``). Works with AllGather (shards of the quantized blocks), every
+        host storage, and the runtime cache (which holds the dense weights quantization starts from).
       ``device``: where blocks run (default: ``cuda`` when available, else ``cpu``).
       ``pin_in_place_budget_bytes``: the most mmap'd checkpoint bytes to pin in place. Default 0 (off:
         mmap'd blocks stage through two pinned slots): on the H200 test hosts (Firecracker VMs) the
@@ -109,6 +114,8 @@ class OffloadConfig:
                 "--dlo-no-use-allgather each block is copied whole into its slot and there is no shard "
                 "to land"
             )
+        if self.quantization is not None:
+            _check_quantization(self.quantization)
         self._reject_invalid_combinations()
 
     def _reject_invalid_combinations(self) -> None:
@@ -127,11 +134,6 @@ class OffloadConfig:
             raise ConfigError(
                 f"use_hsdp=True cannot be combined with DLO AllGather: {why}; HSDP already shards the "
                 "weights and sharding them again would double-shard (pass --dlo-no-use-allgather)"
-            )
-        if self.quantization is not None:
-            raise ConfigError(
-                f"quantization={self.quantization!r} (online quantization) needs the ordinary loader "
-                f"with rank-local blocks, but {why}; pass --dlo-no-use-allgather"
             )
         if self.dlo_enable_runtime_cache:
             raise ConfigError(
@@ -185,6 +187,17 @@ class OffloadConfig:
         if unknown:
             raise ConfigError(f"unknown offload option(s) {unknown}; known: {sorted(known)}")
         return cls(**kwargs)
+
+
+def _check_quantization(name: object) -> None:
+    """``name`` must be one of the quant registry's names (checked without importing it at module load)."""
+    from weight_sync.quant.registry import QUANTIZATION_NAMES
+
+    if not isinstance(name, str) or name not in QUANTIZATION_NAMES:
+        raise ConfigError(
+            f"quantization must be None or one of the quant registry's names {sorted(QUANTIZATION_NAMES)}, "
+            f"got: {name!r}"
+        )
 
 
 def add_offload_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:

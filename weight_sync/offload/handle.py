@@ -1,8 +1,9 @@
 """``enable_layerwise_offload``: put a model's blocks on the host and stream them; the handle undoes it.
 
 Order of work, chosen so that every failure that can be detected happens before the model is touched:
-topology -> gather group -> layouts -> schedule digest compared across ranks -> host store (pin, vote)
--> then mutation: non-block tensors to the device, block tensors re-pointed at the slots, hooks on.
+topology -> gather group -> (online quantization of the block linears, undone on any failure up to the
+digest check) -> layouts -> schedule digest compared across ranks -> host store (pin, vote) -> then
+mutation: non-block tensors to the device, block tensors re-pointed at the slots, hooks on.
 With AllGather the call guard goes on last: from then on every call of the pipeline (and ``disable``)
 is agreed by the gather group before it queues a load (``weight_sync.offload.call_guard``).
 """
@@ -32,6 +33,7 @@ from weight_sync.offload.layout import BlockLayout, layout_block, schedule_diges
 from weight_sync.offload.metrics import OffloadMetrics, Span, Trace
 from weight_sync.offload.pinned import InPlacePins, PinError, register_region
 from weight_sync.offload.plan import Topology, resolve_topology
+from weight_sync.offload.quantize import BlockQuantization, quantize_blocks
 from weight_sync.offload.streamer import BlockStreamer
 
 __all__ = [
@@ -157,8 +159,16 @@ def _check_no_sharing(
 def _build_store(
     layouts: list[BlockLayout], sources: list[list[torch.Tensor]], *, config: OffloadConfig,
     gather: GatherGroup, shim: DeviceShim, host: HostWeights, metrics: OffloadMetrics,
+    quant: BlockQuantization | None = None,
 ) -> HostStore:
     reasons: list[str] = []
+    # With quantization the processor's output (weights, scales) is private memory of this process;
+    # only the unprocessed tensors (biases, norms) may still be views of the mapping.
+    mapped_bytes = None
+    if quant is not None:
+        mapped_bytes = sum(
+            p.span_bytes for lay in layouts for p in lay.placements if id(p.tensor) not in quant.produced_ids
+        ) if host.mapped else 0
     if gather.active or not host.mapped:
         # Private arena (AllGather: this rank's shards only), pinned unless that fails.
         shard = (gather.rank, gather.size) if gather.active else None
@@ -183,7 +193,7 @@ def _build_store(
         store: HostStore = PackedStore(
             layouts, sources, arena=arena, region=region, alignment=config.alignment_bytes, shard=shard,
         )
-    elif host.source == "checkpoint_mmap":
+    elif host.source == "checkpoint_mmap" and quant is None:
         storages = list({s.untyped_storage().data_ptr(): s for srcs in sources for s in srcs}.values())
         pins = InPlacePins(storages, device=shim.device, budget_bytes=config.resolved_pin_budget_bytes())
         store = None  # type: ignore[assignment]
@@ -197,8 +207,15 @@ def _build_store(
             reasons.append(f"pin in place: {pins.reason}")
         if store is None:
             store = StagedStore(layouts, sources, shim=shim, pinned=True, mapped=True)
-    else:  # runtime cache: pageable mmap views, packed through two pinned staging buffers
-        store = StagedStore(layouts, sources, shim=shim, pinned=True, mapped=True)
+    else:
+        # Runtime cache: pageable mmap views, packed through two pinned staging buffers. Quantized blocks
+        # of mapped host weights stage the same way: the store follows how the host weights were loaded
+        # (bounded pinned memory: two staging buffers, not a model-sized arena); pinning in place does
+        # not apply, the quantized bytes are not in the mapping.
+        if quant is not None and host.source == "checkpoint_mmap" and config.resolved_pin_budget_bytes():
+            reasons.append("pin in place: the quantized block bytes are processor output, not in the "
+                           "mapped checkpoint; staging them through two pinned buffers")
+        store = StagedStore(layouts, sources, shim=shim, pinned=True, mapped=True, mapped_bytes=mapped_bytes)
     if isinstance(store, StagedStore) and store.pin_error:
         reasons.append(f"staging buffers are pageable: {store.pin_error}")
     metrics.num_fallbacks += len(reasons)
@@ -262,19 +279,32 @@ def enable_layerwise_offload(
     metrics.fallback_reasons += host.fallback_reasons
 
     streamed = topology.streamed_blocks
-    layouts = [
-        layout_block(i, name, block, alignment=config.alignment_bytes, group_size=gather.size)
-        for i, (name, block) in enumerate(streamed)
-    ]
-    owners = [(p, get_submodule_path(root, p)) for p in topology.owner_paths]
-    _check_no_sharing(layouts, owners)
-    index_of = {name: i for i, (name, _) in enumerate(streamed)}
-    rings = [[index_of[name] for name, _ in ring.blocks] for ring in topology.rings]
-    # Before the first AllGather (and before any mutation): all ranks must share one schedule.
-    landing = config.dlo_landing_buffers and gather.active  # inert with a group of one
-    schedule = schedule_digest(layouts, rings, group_size=gather.size, alignment=config.alignment_bytes,
-                               landing_buffers=landing)
-    gather.check_same_schedule(schedule)
+    quant = None
+    if config.quantization is not None:
+        # "Online at load": the block linears become kernel format from the host weights, before the
+        # layouts are made, so the host store, the link and the slots only ever see quantized bytes.
+        with torch.no_grad():
+            quant = quantize_blocks([*streamed, *topology.resident_blocks], config.quantization)
+        metrics.quantization = config.quantization
+        metrics.num_quantized_linears = quant.num_linears
+    try:
+        layouts = [
+            layout_block(i, name, block, alignment=config.alignment_bytes, group_size=gather.size)
+            for i, (name, block) in enumerate(streamed)
+        ]
+        owners = [(p, get_submodule_path(root, p)) for p in topology.owner_paths]
+        _check_no_sharing(layouts, owners)
+        index_of = {name: i for i, (name, _) in enumerate(streamed)}
+        rings = [[index_of[name] for name, _ in ring.blocks] for ring in topology.rings]
+        # Before the first AllGather (and before any mutation): all ranks must share one schedule.
+        landing = config.dlo_landing_buffers and gather.active  # inert with a group of one
+        schedule = schedule_digest(layouts, rings, group_size=gather.size, alignment=config.alignment_bytes,
+                                   landing_buffers=landing, quantization=quant.method if quant else None)
+        gather.check_same_schedule(schedule)
+    except BaseException:
+        if quant is not None:
+            quant.revert()  # the model is left as it was given
+        raise
     metrics.num_streamed_blocks = len(layouts)
     metrics.num_resident_blocks = len(topology.resident_blocks)
     metrics.block_bytes = sum(lay.nbytes for lay in layouts)
@@ -286,9 +316,15 @@ def enable_layerwise_offload(
     if layouts:
         with torch.no_grad():
             sources = [[p.tensor.detach() for p in lay.placements] for lay in layouts]
-            store = _build_store(
-                layouts, sources, config=config, gather=gather, shim=shim, host=host, metrics=metrics
-            )
+            try:
+                store = _build_store(
+                    layouts, sources, config=config, gather=gather, shim=shim, host=host, metrics=metrics,
+                    quant=quant,
+                )
+            except BaseException:
+                if quant is not None:
+                    quant.revert()
+                raise
             del sources
             metrics.host_storage = store.kind
             metrics.host_bytes = store.host_bytes
@@ -299,6 +335,8 @@ def enable_layerwise_offload(
                 gather=gather, shim=shim, metrics=metrics, trace=trace,
                 timeout_s=config.transfer_timeout_s, landing_buffers=landing,
             )
+    if quant is not None:
+        quant.commit()  # the host store holds the quantized bytes: the full-precision weights may go
     with torch.no_grad():
         for _, owner in owners:
             _to_device(owner, shim.device, streamed_ids, copy=host.mapped)

@@ -185,6 +185,7 @@ class StagedStore(HostStore):
         shim: DeviceShim,
         pinned: bool,
         mapped: bool,
+        mapped_bytes: int | None = None,
     ) -> None:
         super().__init__()
         self.layouts, self.sources = list(layouts), [list(s) for s in sources]
@@ -203,7 +204,9 @@ class StagedStore(HostStore):
         self.done = [shim.event(), shim.event()]  # allocated once: "H2D out of staging k finished"
         self._next = 0
         source_bytes = sum(s.numel() * s.element_size() for srcs in self.sources for s in srcs)
-        self.mapped_bytes = source_bytes if mapped else 0
+        # ``mapped_bytes`` overrides the count when only some sources are mapped (quantized blocks: the
+        # processor's output is private, the unprocessed biases may still be views of the mapping).
+        self.mapped_bytes = (source_bytes if mapped else 0) if mapped_bytes is None else mapped_bytes
         self.host_bytes = source_bytes + 2 * size
         self.pinned_bytes = sum(r.nbytes for r in self.regions)
 

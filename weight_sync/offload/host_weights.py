@@ -154,7 +154,10 @@ def _load_with_cache(
         sp_impl="usp" if config.usp > 1 else None,
         sp_size=config.usp,
         dtype=_dominant_dtype(module),
-        layout=config.quantization or "dense",
+        # Always dense: the cache holds the final ordinary-loader weights, and DLO's online
+        # quantization (config.quantization) runs after it, from the mapping, when offload is enabled.
+        # Dense and quantized offloads of one model therefore share one entry.
+        layout="dense",
         model_version=model_version,
     )
     res = load_with_runtime_cache(

@@ -144,19 +144,22 @@ def slot_views(layout: BlockLayout, slot: torch.Tensor) -> tuple[torch.Tensor, .
 
 
 def schedule_digest(layouts: Sequence[BlockLayout], rings: Sequence[Sequence[int]], *,
-                    group_size: int, alignment: int, landing_buffers: bool = False) -> bytes:
+                    group_size: int, alignment: int, landing_buffers: bool = False,
+                    quantization: str | None = None) -> bytes:
     """SHA-256 of the transfer schedule: ring order, block layouts, group size, alignment, landing mode.
 
     Ranks of one gather group must issue identical collectives on identically sized buffers; two ranks
     whose digests differ would hang or corrupt each other's blocks in the first AllGather. The landing
     mode (in-place gather into the slot, or out of place from a landing buffer) does not change the
     collective's sizes, but it changes when each rank's gather can start; the group runs one schedule,
-    so ranks that disagree on it fail here too.
+    so ranks that disagree on it fail here too. ``quantization`` (the linear method's name) is covered
+    too: dtypes and shapes tell most schemes apart, but not all of them.
     """
     doc = {
         "group_size": group_size,
         "alignment": alignment,
         "landing_buffers": landing_buffers,
+        **({"quantization": quantization} if quantization is not None else {}),
         "rings": [list(r) for r in rings],
         "blocks": [layout.describe() for layout in layouts],
     }

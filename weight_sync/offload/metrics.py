@@ -49,6 +49,8 @@ class OffloadMetrics:
     gather_group_size: int = 1
     host_storage: str = ""  # "packed", "pinned_in_place", "staged"
     host_weights_source: str = ""  # "ordinary", "checkpoint_mmap", "runtime_cache"
+    quantization: str = ""  # the quant-registry name the block linears were quantized with ("" = none)
+    num_quantized_linears: int = 0
     fallback_reasons: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:

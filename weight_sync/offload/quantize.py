@@ -1,0 +1,89 @@
+"""Online quantization of the blocks DLO takes over: block linears become kernel format before packing.
+
+With ``OffloadConfig.quantization`` set (a quant-registry name: ``fp8``, ``fp8_per_channel``,
+``fp8_block``, ``int8``, ...), ``enable_layerwise_offload`` replaces every ``nn.Linear`` of every block
+(streamed and resident) by a :class:`~weight_sync.quant.modules.QuantizedLinear` built from the host weights,
+before the blocks are laid out. The replacement runs the registry's processor, so the bytes are exactly
+those the reference engine's online quantization produces. From then on the quantized weight, its fp32
+scales and the unprocessed bias are ordinary tensors of the block: they are packed into the host store,
+streamed into a slot and re-pointed like any other, and the module's ``forward`` computes from the slot
+views (``LinearMethod.apply``: dequantize + matmul, or ``torch._scaled_mm`` on CUDA).
+
+The replacement is undone (:meth:`BlockQuantization.revert`) if enabling fails before the model is
+committed to offload (a schedule that differs across the gather group, a tied tensor), so such a failure
+leaves the model as it was. Once the host store holds the quantized bytes, the full-precision weights
+are released (:meth:`BlockQuantization.commit`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from weight_sync.errors import ConfigError
+
+__all__ = ["BlockQuantization", "quantize_blocks"]
+
+
+@dataclass
+class BlockQuantization:
+    """The linears of the blocks replaced by quantized ones; ``revert`` puts the originals back."""
+
+    name: str  # as configured ("fp8_block")
+    method: str  # the linear method it resolves to ("fp8_block"; "fp8" and "fp8_per_tensor": "fp8_tensor")
+    num_linears: int
+    # ids of the tensors the processor produced (quantized weights and scales): host memory of this
+    # process, not part of any file mapping the host weights came from.
+    produced_ids: frozenset[int]
+    _swaps: list[tuple[nn.Module, str, nn.Module, nn.Module]] = field(default_factory=list, repr=False)
+
+    def revert(self) -> None:
+        """Put every original ``nn.Linear`` back (before the offload is committed)."""
+        for parent, attr, original, _ in reversed(self._swaps):
+            setattr(parent, attr, original)
+        self._swaps.clear()
+
+    def commit(self) -> None:
+        """Forget the originals, so their full-precision weights can be freed."""
+        self._swaps.clear()
+
+
+def quantize_blocks(blocks: Sequence[tuple[str, nn.Module]], name: str) -> BlockQuantization:
+    """Quantize every ``nn.Linear`` of ``blocks`` with the registry's processor for ``name``."""
+    # Lazily: only quantized offloads need the quant package.
+    from weight_sync.quant.modules import QuantizedLinear, quantize_linears
+
+
+    swaps: list[tuple[nn.Module, str, nn.Module, nn.Module]] = []
+    try:
+        for _, block in blocks:
+            swaps.extend(quantize_linears(block, name))
+    except BaseException:
+        for parent, attr, original, _ in reversed(swaps):
+            setattr(parent, attr, original)
+        raise
+    already = [m for _, block in blocks for m in block.modules() if isinstance(m, QuantizedLinear)]
+    if blocks and not swaps and already:
+        # Quantized before (an offload enabled again after ``disable()``, which keeps kernel format):
+        # nothing to do if it is the same scheme, an error otherwise (the full-precision bytes are gone).
+        methods = {m.quant_method.name for m in already}
+        wanted = QuantizedLinear.method_name(name)
+        if methods != {wanted}:
+            raise ConfigError(
+                f"quantization={name!r} ({wanted}): the offloaded blocks are already quantized with "
+                f"{sorted(methods)} and hold no full-precision linear to quantize again"
+            )
+        ids = frozenset(id(t) for m in already for t in (m.weight, m.weight_scale))
+        return BlockQuantization(name, wanted, len(already), ids)
+    if blocks and not swaps:
+        raise ConfigError(
+            f"quantization={name!r}: the {len(blocks)} offloaded blocks (first: {blocks[0][0]!r}) contain "
+            "no nn.Linear to quantize; pass quantization=None"
+        )
+    produced = frozenset(
+        id(t) for _, _, _, q in swaps for t in (q.weight, q.weight_scale)  # type: ignore[union-attr]
+    )
+    method = swaps[0][3].quant_method.name if swaps else name  # type: ignore[union-attr]
+    return BlockQuantization(name, str(method), len({id(q) for *_, q in swaps}), produced, swaps)
