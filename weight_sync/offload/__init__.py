@@ -21,6 +21,8 @@ Limitations:
   * CUDA graphs / ``torch.compile`` over streamed blocks are not supported: the hooks re-point
     parameters in Python before each block.
   * Ranks are laid out ``((dp * usp) + sp) * tp + tp_rank``; other layouts need their own groups.
+  * ``quantization`` quantizes only plain ``nn.Linear`` modules of the blocks, once and for good
+    (``disable`` keeps kernel format); the runtime cache holds the dense weights it starts from.
 """
 
 from weight_sync.offload.config import (
