@@ -34,7 +34,7 @@ def test_config_overrides_reach_config_and_shapes(tmp_path: Path) -> None:
 
 
 def test_unknown_arch_or_preset_is_rejected_with_the_choices(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"arch must be one of \['llama', 'qwen3'\]"):
+    with pytest.raises(ConfigError, match=r"arch must be one of \['llama', 'qwen3', 'qwen3_moe'\]"):
         make_checkpoint(tmp_path / "x", arch="gpt2")
     with pytest.raises(ConfigError, match="preset must be one of"):
         make_checkpoint(tmp_path / "x", preset="huge")

@@ -219,8 +219,9 @@ class FusedMoE(nn.Module):
     ) -> torch.Tensor:
         """:meth:`forward` without data-dependent shapes or host syncs (capturable in a CUDA graph).
 
-        Every local expert runs on every token, scaled by its routing weight (zero when not chosen), in
-        the same ascending order: the chosen contributions are the same products added in the same order.
+        Every local expert runs on every token, scaled by its routing weight (zero when not chosen), added
+        in the same ascending order. Equal to :meth:`forward` up to the matmul's rounding, which may depend
+        on the number of rows; it costs ``E_local / top_k`` times the expert compute (decode batches only).
         """
         out = torch.zeros_like(x)
         for local in range(self.local_num_experts):

@@ -160,8 +160,9 @@ def quantize_fp8_experts(
             scale = out[1].copy_(scale)
         scratch = torch.empty((n, k), dtype=torch.float32, device=w.device)
         for i in range(e):
-            # The per-tensor arithmetic of quantize_fp8: fp32 division, clamp, round-to-nearest cast.
-            torch.div(w[i], scale[i], out=scratch)
+            # The per-tensor arithmetic of quantize_fp8: fp32 division, clamp, round-to-nearest cast. The
+            # scale stays 1-D: a 0-dim fp32 scale would not promote a bf16 weight, dividing in bf16.
+            torch.div(w[i], scale[i : i + 1], out=scratch)
             q[i].copy_(scratch.clamp_(-FP8_MAX, FP8_MAX))
         return q, scale
     bn, bk = config.block_size
