@@ -140,3 +140,67 @@ def test_every_graph_visible_tensor_keeps_its_address_across_updates(on_a, vllm_
     on_a.collective_rpc("reload_weights", kwargs={"weights_path": str(vllm_ckpts["b"])})
     on_a.collective_rpc("reload_weights", kwargs={"weights_iterator": checkpoint_items(vllm_ckpts["a"])[::-1]})
     assert signatures(model) == before
+
+
+def _worker_model_config(llm):
+    return llm.llm_engine.model_executor.driver_worker.worker.model_config
+
+
+@pytest.fixture(scope="module")
+def torch_file_ckpt_b(vllm_ckpts, tmp_path_factory) -> Path:
+    """Checkpoint B as ``pytorch_model.bin`` (no safetensors), as older HF checkpoints are saved."""
+    out = tmp_path_factory.mktemp("torch_ckpt_b")
+    torch.save(dict(checkpoint_items(vllm_ckpts["b"])), out / "pytorch_model.bin")
+    (out / "config.json").write_text((vllm_ckpts["b"] / "config.json").read_text())
+    return out
+
+
+def test_reload_from_a_pytorch_model_bin_checkpoint_serves_like_a_fresh_engine_and_resets_model_config(
+    on_a, torch_file_ckpt_b, vllm_ckpts, fresh_tokens
+) -> None:
+    config = _worker_model_config(on_a)
+    config.revision, config.model_weights = "stale-revision", "s3://bucket/old-model"
+    [report] = on_a.collective_rpc("reload_weights", kwargs={"weights_path": str(torch_file_ckpt_b)})
+    assert report["num_tensors"] == 25
+    assert greedy(on_a) == fresh_tokens["b"]
+    # As vLLM's reload: the new path, and no revision or object-storage source of the old model.
+    assert (config.model, config.revision, config.model_weights) == (str(torch_file_ckpt_b), None, "")
+    on_a.collective_rpc("reload_weights", kwargs={"weights_path": str(vllm_ckpts["a"])})
+    assert greedy(on_a) == fresh_tokens["a"]
+    on_a.collective_rpc("reload_weights", kwargs={"weights_path": str(torch_file_ckpt_b)})
+    on_a.collective_rpc("reload_weights", kwargs={"weights_path": str(vllm_ckpts["a"])})
+    # An argument-less reload reads the checkpoint loaded last.
+    on_a.collective_rpc("reload_weights", kwargs={"version": "again"})
+    assert greedy(on_a) == fresh_tokens["a"]
+
+
+class TrainingState:
+    """An arbitrary object in a torch file: loading it would mean running its pickle."""
+
+    step = 3
+
+
+def test_a_torch_file_holding_more_than_tensors_is_refused_without_unpickling_it(on_a, tmp_path, fresh_tokens) -> None:
+    torch.save({"model.norm.weight": torch.ones(128), "state": TrainingState()}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(Exception, match=r"weights-only torch file"):
+        on_a.collective_rpc("reload_weights", kwargs={"weights_path": str(tmp_path)})
+    assert greedy(on_a) == fresh_tokens["a"]
+
+
+def test_a_hub_id_is_read_from_the_local_cache_only_and_refused_clearly_when_not_cached(
+    on_a, vllm_ckpts, fresh_tokens, tmp_path, monkeypatch
+) -> None:
+    import shutil
+
+    huggingface_hub = pytest.importorskip("huggingface_hub")
+    repo = tmp_path / "models--ws-test--tiny-b"
+    shutil.copytree(vllm_ckpts["b"], repo / "snapshots" / "0123abcd")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(Exception, match=r"'ws-test/not-cached' is not a local path and not in the local Hugging Face"):
+        on_a.collective_rpc("reload_weights", kwargs={"weights_path": "ws-test/not-cached"})
+    assert greedy(on_a) == fresh_tokens["a"]
+    on_a.collective_rpc("reload_weights", kwargs={"weights_path": "ws-test/tiny-b"})
+    assert greedy(on_a) == fresh_tokens["b"]
+    assert _worker_model_config(on_a).model == "ws-test/tiny-b"

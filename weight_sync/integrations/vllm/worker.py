@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -110,8 +109,9 @@ class WeightSyncWorkerMixin:
     ) -> dict[str, Any] | None:
         """Update the model's weights through weight_sync; returns the update report as a dict.
 
-        Sources: ``weights_path`` (a local safetensors file or directory, validated from its headers
-        before any write), ``weights_iterator`` (a list of (name, tensor), a lazy iterable, or a handle
+        Sources: ``weights_path`` (what vLLM's default loader reads locally: a directory or file of
+        safetensors, or of ``pytorch_model*.bin`` / ``*.pt`` read with ``torch.load(weights_only=True)``,
+        or a hub id found in the local Hugging Face cache; validated before any write), ``weights_iterator`` (a list of (name, tensor), a lazy iterable, or a handle
         from :func:`~weight_sync.integrations.vllm.handoff.share_weights`), or neither (the checkpoint the
         engine was last loaded from). ``is_checkpoint_format=False`` (already-processed kernel tensors) is
         vLLM's own in-place copy and is passed through to it.
@@ -136,7 +136,7 @@ class WeightSyncWorkerMixin:
 
         with set_current_vllm_config(self.vllm_config):
             if weights_iterator is None:
-                path = _local_checkpoint(weights_path or self.model_config.model)
+                path = _local_checkpoint(self.model_config, weights_path)
                 report = weight_sync.reload_weights(model, weights_path=path, **update_opts)
             elif as_handle(weights_iterator) is not None:
                 reader = open_handoff(weights_iterator)
@@ -153,8 +153,14 @@ class WeightSyncWorkerMixin:
                 stream = cast(Iterable[tuple[str, torch.Tensor]], weights_iterator)
                 report = weight_sync.reload_weights(model, weights_iterator=stream, **update_opts)
         if weights_path is not None:
-            # vLLM's convention: a later argument-less reload reads the checkpoint loaded last.
+            # vLLM's convention: a later argument-less reload reads the checkpoint loaded last. The
+            # revision and any object-storage ``model_weights`` source belong to the model reloaded
+            # away from, so vLLM clears them (a stale revision would resolve the new id in the wrong
+            # snapshot of the cache).
             self.model_config.model = str(weights_path)
+            if hasattr(self.model_config, "model_weights"):
+                self.model_config.model_weights = ""
+            self.model_config.revision = None
         self._ws_after_update()
         out = report.to_dict()
         want_fp = opts.fingerprint if fingerprint is None else fingerprint
@@ -206,11 +212,19 @@ class WeightSyncWorkerMixin:
         }
 
 
-def _local_checkpoint(path: str) -> str:
-    p = Path(path)
-    if not p.exists():
-        raise ConfigError(
-            f"weights_path {path!r} is not a local file or directory; weight_sync reloads from local "
-            "safetensors checkpoints (download hub models first)"
-        )
-    return str(p)
+def _local_checkpoint(model_config: Any, weights_path: str | None) -> str:
+    """The local checkpoint a path reload reads: ``weights_path``, else the model the engine serves.
+
+    As vLLM's default loader, a hub id is looked up in the local Hugging Face cache (at the engine's
+    revision when reloading the served model; a new ``weights_path`` has no revision, vLLM clears it),
+    and nothing is downloaded inside a worker.
+    """
+    from weight_sync.checkpoints import resolve_checkpoint
+    from weight_sync.errors import WeightSyncError
+
+    name = weights_path if weights_path is not None else model_config.model
+    revision = None if weights_path is not None else getattr(model_config, "revision", None)
+    try:
+        return str(resolve_checkpoint(name, revision=revision))
+    except WeightSyncError as e:
+        raise ConfigError(f"reload_weights(weights_path={name!r}): {e}") from e
