@@ -108,3 +108,34 @@ def test_reload_and_push_through_the_http_routes_serve_like_fresh_engines(server
         assert _completions(server, model) == fresh_tokens["b"]
         assert client.status() == [{"torn": None, "version": None, "updating": False}]
         assert len(client.fingerprint()[0]) == 64
+
+
+def test_vllms_trainer_api_over_its_http_client_updates_the_server_like_a_fresh_engine(
+    server, vllm_ckpts, fresh_tokens
+) -> None:
+    # upstream's examples/rl/rlhf_http_nccl.py with only the init info (backend) and transport changed
+    from vllm.distributed.weight_transfer import (
+        HTTPVLLMWeightSyncClient,
+        ModuleSource,
+        WeightTransferTrainerFactory,
+    )
+
+    from tests.integrations.vllm.test_transfer import hf_trainer_model, load_trainer_weights
+    from weight_sync.integrations.vllm.trainer import WeightSyncTrainerInitInfo
+
+    model = hf_trainer_model(vllm_ckpts["b"])
+    with urllib.request.urlopen(f"{server}/get_world_size", timeout=30) as resp:
+        world_size = json.loads(resp.read())["world_size"] + 1
+    engine = WeightTransferTrainerFactory.trainer_init(
+        init_info=WeightSyncTrainerInitInfo(world_size=world_size, rank=0, packed=True, transport="gloo"),
+        client=HTTPVLLMWeightSyncClient(server),
+        source=ModuleSource(model),
+    )
+    try:
+        engine.send_weights()
+        assert _completions(server, str(vllm_ckpts["a"])) == fresh_tokens["b"]
+        load_trainer_weights(model, vllm_ckpts["a"])
+        engine.send_weights()
+        assert _completions(server, str(vllm_ckpts["a"])) == fresh_tokens["a"]
+    finally:
+        engine.shutdown()

@@ -27,6 +27,14 @@ def _update(path: str) -> tuple[Manifest, dict[str, torch.Tensor]]:
     return Manifest(tuple(TensorMeta.of(n, tensors[n]) for n in names)), tensors
 
 
+def chunks(path: str) -> list[list[str]]:
+    """The update of ``path`` cut in three calls of whole blocks, in manifest order (vLLM-style chunks)."""
+    names = list(_update(str(path))[0].names)
+    third = len(names) // 3
+    cut = [names[:third], names[third: 2 * third], names[2 * third:]]
+    return [c for c in cut if c]
+
+
 def _dying(manifest: Manifest, tensors: dict[str, torch.Tensor]):
     """Yield the update's tensors until half are sent, then die the way an OOM-killed trainer does."""
     for n, name in enumerate(manifest.names):
@@ -47,15 +55,17 @@ def _expect_failure(conn: Any, sender: WeightSender, tensors: dict[str, torch.Te
         conn.send("sent")
 
 
-def run_trainer(conn: Any, steps: list[tuple[str, str]], timeout_s: float, zero_copy: bool = False) -> None:
+def run_trainer(conn: Any, steps: list[tuple[str, str]], timeout_s: float, zero_copy: bool = False,
+                num_receivers: int = 1) -> None:
     """Steps: ("good", ckpt) a full update; ("bad_shape", ckpt) a manifest announcing a wrong shape;
     ("die", ckpt) start an update and get SIGKILLed in the middle of sending it; ("rejected", ckpt) an
     update whose one call the engine fails; ("rejected_second", ckpt) an update in two calls whose second
-    one the engine fails; ("incomplete", ckpt) an update finished after half of its tensors. zero_copy: shm zero-copy (the engine copies from this process's tensors)
-    instead of gloo buckets."""
+    one the engine fails; ("incomplete", ckpt) an update finished after half of its tensors;
+    ("chunked", ckpt) an update in the three calls of ``chunks(ckpt)``. zero_copy: shm zero-copy (the engine copies from this process's tensors)
+    instead of gloo buckets. num_receivers: the engine's workers (TP x PP)."""
     config = (TransportConfig(backend="shm", zero_copy=True, checksum=False, timeout_s=timeout_s) if zero_copy
               else TransportConfig(backend="gloo", bucket_bytes=64 << 10, timeout_s=timeout_s))
-    sender = WeightSender(config, num_receivers=1)
+    sender = WeightSender(config, num_receivers=num_receivers)
     conn.send(sender.address)
     sender.connect()
     for i, (kind, path) in enumerate(steps, start=1):
@@ -88,6 +98,12 @@ def run_trainer(conn: Any, steps: list[tuple[str, str]], timeout_s: float, zero_
                 conn.send("committed")
             except Exception as e:
                 conn.send(f"failed {type(e).__name__}: {e}")
+        elif kind == "chunked":
+            sender.start_weight_update(manifest, version=i)
+            for names in chunks(path):
+                sender.update_weights([(n, tensors[n]) for n in names], names=names)
+            report = sender.finish_weight_update()
+            conn.send(f"committed {report.version}")
         elif kind == "die":
             sender.start_weight_update(manifest, version=i)
 

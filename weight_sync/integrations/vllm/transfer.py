@@ -10,8 +10,10 @@ worker's model:
                                                 worker's global rank (DP index * TP*PP + rank)
 ``llm.start_weight_update()``                   wait for the sender's manifest and validate it against the
                                                 model (a bad one is refused on every rank before a write)
-``llm.update_weights({"update_info": {}})``     receive one sender ``update_weights`` call (names, dtypes
-                                                and shapes travel in the manifest, not in update_info)
+``llm.update_weights({"update_info": info})``   receive one sender ``update_weights`` call; names, dtypes
+                                                and shapes travel in the manifest, and vLLM's ``names`` /
+                                                ``dtype_names`` / ``shapes`` in ``info`` (optional) are
+                                                checked against it and the call before any write
 ``llm.finish_weight_update(weight_version=v)``  commit on every rank or none; the engine's version is set
 ==============================================  ==========================================================
 
@@ -56,26 +58,177 @@ BACKEND = "weight_sync"
 class WeightSyncInitInfo(WeightTransferInitInfo):
     """``init_info`` of the weight_sync backend (JSON-able: it crosses HTTP and process boundaries).
 
-    address: the sender's ``address`` ('host:port' of its rendezvous store, or the disk directory).
-    rank_offset: rank of this engine's first worker in the sender's group (1 for a single engine; the
-        trainer is rank 0). connect_timeout_s: how long to wait for the sender's store.
+    weight_sync's own fields: ``address`` (the sender's 'host:port' rendezvous store, or the disk
+    directory), ``rank_offset`` (rank of this engine's first worker in the sender's group; the trainer is
+    rank 0), ``connect_timeout_s``, ``backend`` ('disk' to force the disk reader).
+
+    vLLM's fields are accepted so that an ``init_info`` built for vLLM's NCCL or IPC backends works
+    unchanged: ``master_address`` + ``master_port`` name the sender's store (the same as ``address``);
+    ``world_size``, ``packed_buffer_size_bytes`` and ``packed_num_buffers`` are must-agree wire
+    parameters in vLLM and are checked against the ones the sender decided (refused at connect, naming
+    the field, when they differ); ``packed`` is accepted either way (weight_sync's wire is always
+    bucketed, ``packed=False`` only changes how vLLM's own backends cut the stream).
+    ``nccl_unique_id_b64`` is refused: weight_sync's groups rendezvous through the sender's store.
     """
 
-    address: str
+    address: str | None = None
     rank_offset: int = 1
     connect_timeout_s: float = 300.0
     backend: str | None = None
+    master_address: str | None = None
+    master_port: int | None = None
+    world_size: int | None = None
+    packed: bool | None = None
+    packed_buffer_size_bytes: int | None = None
+    packed_num_buffers: int | None = None
+    nccl_unique_id_b64: str | None = None
 
     def __post_init__(self) -> None:
+        if self.nccl_unique_id_b64 is not None:
+            raise ConfigError(
+                "init_info nccl_unique_id_b64: the weight_sync backend rendezvous through its sender's store; "
+                "pass address='host:port' (or master_address and master_port), got an NCCL unique id"
+            )
+        if (self.master_address is None) != (self.master_port is None):
+            raise ConfigError(
+                "init_info master_address and master_port go together, got "
+                f"master_address={self.master_address!r}, master_port={self.master_port!r}"
+            )
+        if self.master_address is not None:
+            if not isinstance(self.master_port, int) or not 0 < self.master_port < 65536:
+                raise ConfigError(f"init_info master_port must be a port number, got {self.master_port!r}")
+            from_master = f"{self.master_address}:{self.master_port}"
+            if self.address is not None and self.address != from_master:
+                raise ConfigError(
+                    f"init_info address {self.address!r} contradicts master_address:master_port {from_master!r}"
+                )
+            self.address = from_master
         if not isinstance(self.address, str) or not self.address:
-            raise ConfigError(f"init_info address must be 'host:port' or a directory, got {self.address!r}")
+            raise ConfigError(
+                "init_info needs the sender's address ('host:port' or a directory; or master_address and "
+                f"master_port), got address={self.address!r}"
+            )
         if not isinstance(self.rank_offset, int) or self.rank_offset < 1:
             raise ConfigError(f"init_info rank_offset must be an int >= 1, got {self.rank_offset!r}")
+        for name in ("world_size", "packed_buffer_size_bytes", "packed_num_buffers"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ConfigError(f"init_info {name} must be a positive int, got {value!r}")
+
+    def check_wire(self, params: Any) -> None:
+        """Refuse vLLM wire parameters that contradict the ones the sender decided (``WireParams``)."""
+        agree = (
+            ("world_size", self.world_size, params.world_size, "trainer + engine workers in the sender's group"),
+            ("packed_buffer_size_bytes", self.packed_buffer_size_bytes, params.bucket_bytes,
+             "the sender's TransportConfig.bucket_bytes"),
+            ("packed_num_buffers", self.packed_num_buffers, params.num_buffers,
+             "the sender's TransportConfig.num_buffers"),
+        )
+        for name, given, decided, what in agree:
+            if given is not None and given != decided:
+                raise ConfigError(f"init_info {name}: the sender at {self.address} has {decided} ({what}), "
+                                  f"init_info says {given}")
 
 
 @dataclass
 class WeightSyncUpdateInfo(WeightTransferUpdateInfo):
-    """``update_info`` of the weight_sync backend: nothing is needed (the manifest came first)."""
+    """``update_info`` of the weight_sync backend; every field is optional.
+
+    Names, dtypes and shapes travel in the manifest that ``start_weight_update`` received and validated.
+    vLLM's backends describe each ``update_weights`` call (a chunk, or the whole model) with
+    ``names`` / ``dtype_names`` / ``shapes``; when given they are checked against the manifest and
+    against the tensors the sender's call carries, before any of them is written: agreeing, the call is
+    received; contradicting, the call is refused on every rank naming the field. IPC's ``ipc_handles``,
+    ``ipc_handles_pickled`` and ``tensor_sizes`` are accepted and not used (the data comes over the
+    sender's transport; a pickled handle is never unpickled).
+    """
+
+    names: list[str] | None = None
+    dtype_names: list[str] | None = None
+    shapes: list[list[int]] | None = None
+    ipc_handles: Any = None
+    ipc_handles_pickled: str | None = None
+    tensor_sizes: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.names is None:
+            given = [n for n in ("dtype_names", "shapes", "tensor_sizes") if getattr(self, n) is not None]
+            if given:
+                raise ConfigError(f"update_info {given[0]} needs names (which tensor each entry describes)")
+            return
+        if not isinstance(self.names, list) or not all(isinstance(n, str) for n in self.names):
+            raise ConfigError(f"update_info names must be a list of tensor names, got {self.names!r:.200}")
+        for field_name in ("dtype_names", "shapes", "tensor_sizes"):
+            value = getattr(self, field_name)
+            if value is not None and len(value) != len(self.names):
+                raise ConfigError(
+                    f"update_info {field_name} must have one entry per name ({len(self.names)}), got {len(value)}"
+                )
+
+    def check_call(self, metas: Any) -> None:
+        """Refuse this description unless it matches ``metas``: the tensors of the sender's call."""
+        if self.names is None:
+            return
+        by_name = {m.name: m for m in metas}
+        for i, name in enumerate(self.names):
+            meta = by_name.get(name)
+            if meta is None:
+                carried = ", ".join(list(by_name)[:3]) + (", ..." if len(by_name) > 3 else "")
+                raise ConfigError(
+                    f"update_info names[{i}] {name!r}: the sender's update_weights call carries {len(by_name)} "
+                    f"tensor(s) ({carried or 'none'}), not this one"
+                )
+            if self.dtype_names is not None:
+                dtype = str(self.dtype_names[i]).removeprefix("torch.")
+                if dtype != str(meta.dtype).removeprefix("torch."):
+                    raise ConfigError(
+                        f"update_info dtype_names[{i}] ({name}): the sender's manifest announces "
+                        f"{str(meta.dtype).removeprefix('torch.')}, update_info says {dtype}"
+                    )
+            if self.shapes is not None and tuple(self.shapes[i]) != tuple(meta.shape):
+                raise ConfigError(
+                    f"update_info shapes[{i}] ({name}): the sender's manifest announces {tuple(meta.shape)}, "
+                    f"update_info says {tuple(self.shapes[i])}"
+                )
+        if len(set(self.names)) != len(self.names):
+            twice = next(n for n in self.names if self.names.count(n) > 1)
+            raise ConfigError(f"update_info names lists {twice!r} twice")
+        if len(self.names) != len(by_name):
+            missing = [n for n in by_name if n not in set(self.names)]
+            raise ConfigError(
+                f"update_info names: the sender's update_weights call carries {len(by_name)} tensor(s), "
+                f"update_info describes {len(self.names)}; not described: {missing[:3]}"
+            )
+
+
+def receive_described_call(receiver: WeightReceiver, info: WeightSyncUpdateInfo) -> int:
+    """Receive one sender call, refusing it on every rank before any write if ``info`` contradicts it.
+
+    The tensors of a call are known from its control header (a run of the manifest), which
+    ``WeightReceiver.update_weights`` reads and acts on in one step; to check a description against the
+    header before any bucket is loaded this reads the header itself and hands it to the receiver's
+    protocol as a failing rank when the check fails (the same path ``abort_weight_update`` takes).
+    """
+    if info.names is None:
+        return receiver.update_weights()
+    manifest = receiver._manifest
+    if receiver._disk is not None or manifest is None:
+        # The disk reader loads the whole update at once: the description must be the manifest.
+        try:
+            info.check_call(manifest.tensors if manifest is not None else ())
+        except Exception as e:
+            receiver.abort_weight_update(e)
+            raise
+        return receiver.update_weights()
+    receiver._require("open")
+    header = receiver._header("update_weights")
+    error: BaseException | None = None
+    if header.kind == "call":
+        try:
+            info.check_call(manifest.tensors[header.first: header.first + header.count])
+        except Exception as e:
+            error = e
+    return receiver._handle(header, "call", error)
 
 
 class _ModelTarget:
@@ -85,12 +238,17 @@ class _ModelTarget:
     convention), which for vLLM's ``*ForCausalLM`` is the inner decoder; this wrapper names the model.
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
+    def __init__(self, engine: WeightSyncTransferEngine) -> None:
+        self.engine = engine
         self.last_report: Any = None
 
+    @property
+    def model(self) -> torch.nn.Module:
+        # The backend's current target: vLLM retargets it at the draft model for a draft session.
+        return self.engine.model
+
     def begin_update(self, manifest: Any, **options: Any) -> Any:
-        return weight_sync.begin_update(self.model, manifest, **options)
+        return weight_sync.begin_update(self.engine.model, manifest, **options)
 
 
 class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSyncUpdateInfo]):
@@ -115,8 +273,9 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
 
     def init_transfer_engine(self, init_info: WeightSyncInitInfo) -> None:
         self.shutdown()
+        assert init_info.address is not None  # __post_init__ resolved it
         self.receiver = WeightReceiver(
-            _ModelTarget(self.model),
+            _ModelTarget(self),
             init_info.address,
             init_info.rank_offset + self.rank,
             rollback=self.options.rollback,
@@ -125,7 +284,13 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
             connect_timeout_s=init_info.connect_timeout_s,
             backend=init_info.backend,
         )
-        self.receiver.connect()
+        params = self.receiver.connect()
+        if params is not None:
+            try:
+                init_info.check_wire(params)
+            except ConfigError:
+                self.shutdown()
+                raise
 
     def _receiver(self) -> WeightReceiver:
         if self.receiver is None:
@@ -153,7 +318,7 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
         self.receive_weights(info)
 
     def receive_weights(self, update_info: WeightSyncUpdateInfo) -> None:
-        self._receiver().update_weights()
+        receive_described_call(self._receiver(), update_info)
 
     def finish_weight_update(self) -> None:
         report = self._receiver().finish_weight_update()
@@ -188,8 +353,12 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
 
 
 def register_transfer_backend() -> None:
-    """Register the backend with vLLM's factory under ``"weight_sync"`` (idempotent)."""
+    """Register the backend under ``"weight_sync"`` with vLLM's worker factory and, for trainers, with
+    ``WeightTransferTrainerFactory`` (idempotent)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    from weight_sync.integrations.vllm.trainer import register_trainer_engine
 
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(BACKEND, WeightSyncTransferEngine)
+    register_trainer_engine()
