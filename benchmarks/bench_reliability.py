@@ -24,7 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(ROOT))
+sys.path.append(str(ROOT))  # after PYTHONPATH: a run may point weight_sync at another tree
 
 from common import env_markdown, environment, write_results  # noqa: E402
 

@@ -503,7 +503,8 @@ class Driver:
                         lambda: self.do_begin(manifest, rollback=rollback), ManifestError)
             return
         self.session = self.expect(f"begin v{seed}", lambda: self.do_begin(manifest, rollback=rollback), None)
-        self.open = {"seed": seed, "rollback": rollback, "fault": fault, "pending": items, "loaded": 0}
+        self.open = {"seed": seed, "rollback": rollback, "fault": fault, "pending": items, "all": items,
+                     "loaded": 0}
 
     def load_next(self, draw: Draw) -> None:
         pending = self.open["pending"]
@@ -524,8 +525,13 @@ class Driver:
         s, fault = self.session, self.open["fault"]
         left = self.open["pending"]
         self.note("finish", left=len(left))
-        incomplete = bool(left) or (fault is not None and fault.kind == "missing")
-        name = left[0][0] if left else (fault.name if incomplete else None)
+        # Expected tensors never loaded (an injected unknown name or a second copy left pending is none).
+        arrived = {n for n, _ in self.open["all"][:self.open["loaded"]]}
+        missing = [n for n, _ in left if n in self.names and n not in arrived]
+        if fault is not None and fault.kind == "missing":
+            missing.insert(0, fault.name)
+        incomplete = bool(missing)
+        name = missing[0] if missing else None
         self.expect("finish", s.finish, IncompleteUpdateError if incomplete else None, name)
         if incomplete:
             self._closed_by_failure(before_any_write=self.open["loaded"] == 0)
