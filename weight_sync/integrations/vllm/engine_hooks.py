@@ -38,8 +38,20 @@ __all__ = ["install_engine_hooks"]
 log = logging.getLogger(__name__)
 
 _COMMITS = frozenset({"reload_weights", "finish_weight_update"})
-_SESSION_STEPS = frozenset({"start_weight_update", "update_weights"})
+_SESSION_STEPS = frozenset({"start_weight_update", "start_draft_weight_update", "update_weights"})
 _INSTALLED = False
+# A worker of a multi-worker engine returns {RPC_ERROR_KEY: text} instead of raising (see worker.py):
+# vLLM 0.32's MultiprocExecutor.collective_rpc raises at the first failed worker's response and leaves
+# the other workers' responses in their queues, so every later RPC would read a stale answer.
+RPC_ERROR_KEY = "__weight_sync_rpc_error__"
+
+
+def _rpc_error(result: Any) -> str | None:
+    if isinstance(result, list):
+        for r in result:
+            if isinstance(r, dict) and RPC_ERROR_KEY in r:
+                return str(r[RPC_ERROR_KEY])
+    return None
 
 
 def _options(vllm_config: Any) -> WeightSyncOptions | None:
@@ -77,10 +89,15 @@ def _wrap_core_rpc(original: Any) -> Any:
                        kwargs: dict[str, Any] | None = None) -> Any:
         if not isinstance(method, str) or _options(self.vllm_config) is None:
             return original(self, method, timeout, args, kwargs)
-        if method == "start_weight_update":
+        if method in ("start_weight_update", "start_draft_weight_update"):
             _hold(self)
         try:
             result = original(self, method, timeout, args, kwargs)
+            error = _rpc_error(result)
+            if error is not None:
+                # Every worker answered, so the executor's queues are in step; raise as vLLM does.
+                raise RuntimeError(f"Worker failed with error '{error}', please check the stack trace above "
+                                   "for the root cause")
         except BaseException:
             if method in _COMMITS or method in _SESSION_STEPS:
                 _after_failure(self, original, method)
@@ -121,6 +138,8 @@ def _after_commit(core: Any) -> None:
 def _after_failure(core: Any, rpc: Any, method: str) -> None:
     try:
         states = rpc(core, "ws_status", None, (), None)
+        if _rpc_error(states) is not None:
+            raise RuntimeError(_rpc_error(states))
     except Exception as e:  # the workers cannot say: assume the worst
         states = [{"torn": f"{method} failed and the workers' state is unknown ({e})"}]
     torn = next((s["torn"] for s in states if isinstance(s, dict) and s.get("torn")), None)

@@ -15,8 +15,9 @@ RPCs (all return JSON-able values):
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, cast
 
 import torch
@@ -40,6 +41,27 @@ from weight_sync.reload.state import get_state
 __all__ = ["WeightSyncWorkerMixin"]
 
 log = logging.getLogger(__name__)
+
+
+def _answers_every_rank(method: Callable[..., Any]) -> Callable[..., Any]:
+    """In an engine of several workers, a failure is returned as ``{RPC_ERROR_KEY: text}`` and raised by
+    the engine core once every worker has answered (engine_hooks); vLLM 0.32's multiprocess executor
+    would otherwise leave the other workers' answers queued behind the first failure, and every later
+    RPC of the engine would read the answer of the one before it."""
+
+    @functools.wraps(method)
+    def rpc(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.vllm_config.parallel_config.world_size <= 1:
+            return method(self, *args, **kwargs)
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as e:
+            from weight_sync.integrations.vllm.engine_hooks import RPC_ERROR_KEY
+
+            log.error("[rank %d] %s failed: %s: %s", self.rank, method.__name__, type(e).__name__, e)
+            return {RPC_ERROR_KEY: f"{type(e).__name__}: {e}"}
+
+    return rpc
 
 
 class WeightSyncWorkerMixin:
@@ -77,6 +99,23 @@ class WeightSyncWorkerMixin:
         prepare_loaded_model(model, self.vllm_config)
 
     # ------------------------------------------------------------------ vLLM's RL API
+    @_answers_every_rank
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        super().init_weight_transfer_engine(init_info)  # type: ignore[misc]
+
+    @_answers_every_rank
+    def start_weight_update(self) -> None:
+        super().start_weight_update()  # type: ignore[misc]
+
+    @_answers_every_rank
+    def start_draft_weight_update(self) -> None:
+        super().start_draft_weight_update()  # type: ignore[misc]
+
+    @_answers_every_rank
+    def update_weights(self, update_info: dict | list[dict]) -> None:
+        super().update_weights(update_info)  # type: ignore[misc]
+
+    @_answers_every_rank
     def finish_weight_update(self) -> None:
         """vLLM's ``finish_weight_update``; a failed one also ends vLLM's session.
 
@@ -96,6 +135,7 @@ class WeightSyncWorkerMixin:
             raise
 
     # ------------------------------------------------------------------ reload
+    @_answers_every_rank
     def reload_weights(
         self,
         weights_iterator: Iterable[tuple[str, torch.Tensor]] | dict[str, str] | None = None,
