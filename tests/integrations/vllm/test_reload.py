@@ -204,3 +204,34 @@ def test_a_hub_id_is_read_from_the_local_cache_only_and_refused_clearly_when_not
     on_a.collective_rpc("reload_weights", kwargs={"weights_path": "ws-test/tiny-b"})
     assert greedy(on_a) == fresh_tokens["b"]
     assert _worker_model_config(on_a).model == "ws-test/tiny-b"
+
+
+def test_upstream_style_low_level_calls_on_a_vllm_model_commit_what_was_sent_like_a_path_reload(
+    on_a, vllm_ckpts, fresh_tokens
+) -> None:
+    # vLLM's own NCCL backend: initialize_layerwise_reload, loads (here half as direct weight_loader
+    # calls, half through model.load_weights), finalize_layerwise_reload(model, model_config).
+    from vllm.config import set_current_vllm_config
+
+    from weight_sync.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+    worker = on_a.llm_engine.model_executor.driver_worker.worker
+    model = worker.get_model()
+    params = dict(model.named_parameters())
+    items = checkpoint_items(vllm_ckpts["b"])
+    direct = [(n, t) for n, t in items if n in params]  # names vLLM keeps unfused: norms, o/down_proj, ...
+    through_model = [(n, t) for n, t in items if n not in params]  # q/k/v and gate/up: fused by load_weights
+    assert direct and through_model
+    with set_current_vllm_config(worker.vllm_config):
+        initialize_layerwise_reload(model)
+        for name, tensor in direct:
+            params[name].weight_loader(params[name], tensor)
+        model.load_weights(through_model)
+        report = finalize_layerwise_reload(model, worker.model_config)
+    assert report.to_dict()["num_tensors"] == len(items)
+    on_a.reset_prefix_cache()  # outside the engine's RPCs the caller invalidates the cache, as with vLLM
+    assert greedy(on_a) == fresh_tokens["b"]
+    fp = on_a.collective_rpc("ws_fingerprint")[0]
+    on_a.collective_rpc("reload_weights", kwargs={"weights_path": str(vllm_ckpts["a"])})
+    on_a.collective_rpc("reload_weights", kwargs={"weights_path": str(vllm_ckpts["b"])})
+    assert on_a.collective_rpc("ws_fingerprint")[0] == fp

