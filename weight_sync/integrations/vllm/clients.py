@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 import torch
 
-from weight_sync.errors import TransportError, TransportTimeout
+from weight_sync.errors import ConfigError, TransportError, TransportTimeout
 from weight_sync.integrations.vllm.handoff import share_weights
 from weight_sync.layers.blocks import order_by_block
 from weight_sync.manifest import Manifest
@@ -80,6 +80,9 @@ class LLMControl:
     def start_weight_update(self) -> None:
         self.llm.start_weight_update()
 
+    def start_draft_weight_update(self) -> None:
+        self.llm.start_draft_weight_update()
+
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self.llm.update_weights({"update_info": update_info})
 
@@ -113,6 +116,9 @@ class AsyncLLMControl:
 
     def start_weight_update(self) -> None:
         self._run(self.engine.start_weight_update())
+
+    def start_draft_weight_update(self) -> None:
+        self._run(self.engine.start_draft_weight_update())
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
@@ -161,6 +167,9 @@ class HTTPControl:
     def start_weight_update(self) -> None:
         self._request("start_weight_update")
 
+    def start_draft_weight_update(self) -> None:
+        self._request("start_draft_weight_update")
+
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self._request("update_weights", {"update_info": update_info})
 
@@ -201,6 +210,9 @@ class RayControl:
 
     def start_weight_update(self) -> None:
         self._all(lambda h: h.start_weight_update.remote())
+
+    def start_draft_weight_update(self) -> None:
+        self._all(lambda h: h.start_draft_weight_update.remote())
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self._all(lambda h: h.update_weights.remote({"update_info": update_info}))
@@ -287,25 +299,35 @@ class WeightSyncClient:
         self._phase("init_weight_transfer_engine",
                     lambda: self.control.init_weight_transfer_engine(init_info), self.sender.connect)
 
-    def push(self, weights: Any, *, version: int | str | None = None) -> TransferReport:
+    def push(self, weights: Any, *, version: int | str | None = None, draft: bool = False) -> TransferReport:
         """One whole update: the manifest, then the tensors, then an all-or-nothing commit.
 
         ``weights``: (name, tensor) pairs, a mapping, or a source with ``manifest(version)`` and
         ``__iter__`` in block order (``trainers.ModuleSource``). The engine's weight version becomes
-        ``str(version)`` when given.
+        ``str(version)`` when given. ``draft=True`` updates the engine's speculative draft model instead
+        (vLLM's ``start_draft_weight_update``): ``weights`` are then the drafter's, in its own names.
         """
         sender = self._sender()
+        start = self.control.start_weight_update
+        if draft:
+            start_draft = getattr(self.control, "start_draft_weight_update", None)
+            if not callable(start_draft):
+                raise ConfigError(
+                    f"WeightSyncClient.push(draft=True): the engine control {type(self.control).__name__} "
+                    "needs vLLM's start_draft_weight_update() method, and has none"
+                )
+            start = start_draft
         manifest, tensors = _manifest_and_tensors(weights, version)
         weight_version = None if version is None else str(version)
         if sender.config.backend == "disk":
             sender.start_weight_update(manifest, version)
             sender.update_weights(tensors)
             report = sender.finish_weight_update()
-            self.control.start_weight_update()
+            start()
             self.control.update_weights({})
             self.control.finish_weight_update(weight_version)
             return report
-        self._phase("start_weight_update", self.control.start_weight_update,
+        self._phase("start_draft_weight_update" if draft else "start_weight_update", start,
                     lambda: sender.start_weight_update(manifest, version))
         self._phase("update_weights", lambda: self.control.update_weights({}),
                     lambda: sender.update_weights(tensors))

@@ -188,10 +188,16 @@ def _refresh_attention(model: nn.Module, dtype: torch.dtype) -> Callable[[nn.Mod
     return refresh
 
 
-def prepare_loaded_model(model: nn.Module, vllm_config: Any) -> None:
-    """After vLLM's first load: declare the layers kernel format and re-process attention after updates."""
+def prepare_loaded_model(model: nn.Module, vllm_config: Any, *, dtype: torch.dtype | None = None) -> None:
+    """After vLLM's first load: declare the layers kernel format and re-process attention after updates.
+
+    ``dtype``: the model's activation dtype, when it is not the engine's (a draft model has its own
+    model config).
+    """
     mark_layers_processed(model)
-    register_post_update_hook(model, _refresh_attention(model, vllm_config.model_config.dtype))
+    register_post_update_hook(
+        model, _refresh_attention(model, vllm_config.model_config.dtype if dtype is None else dtype)
+    )
 
 
 def kernel_fingerprint(model: nn.Module) -> str:

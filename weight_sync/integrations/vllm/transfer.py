@@ -15,6 +15,10 @@ worker's model:
                                                 ``dtype_names`` / ``shapes`` in ``info`` (optional) are
                                                 checked against it and the call before any write
 ``llm.finish_weight_update(weight_version=v)``  commit on every rank or none; the engine's version is set
+``llm.start_draft_weight_update()``             as ``start_weight_update``, for the speculative draft model:
+                                                the session's manifest is validated against the drafter's
+                                                plan, and the calls up to ``finish_weight_update`` write,
+                                                report and version the drafter only
 ==============================================  ==========================================================
 
 Every wait is bounded (``WeightSyncOptions.update_timeout_s`` for the manifest, the sender's timeout for
@@ -232,10 +236,12 @@ def receive_described_call(receiver: WeightReceiver, info: WeightSyncUpdateInfo)
 
 
 class _ModelTarget:
-    """What a WeightReceiver updates: vLLM's top-level model.
+    """What a WeightReceiver updates: the backend's current target, a top-level vLLM model.
 
     A receiver given a bare module would update ``module.model`` when it has one (the reference engine's
     convention), which for vLLM's ``*ForCausalLM`` is the inner decoder; this wrapper names the model.
+    The target is read when each session begins, so a draft session (vLLM's worker retargets the
+    backend first) is begun on the draft model, and the next session on the target model again.
     """
 
     def __init__(self, engine: WeightSyncTransferEngine) -> None:
@@ -256,8 +262,11 @@ class WeightSyncTransferEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSy
 
     init_info_cls = WeightSyncInitInfo
     update_info_cls = WeightSyncUpdateInfo
-    # The receiver is bound to one model at connect time; draft models would need a second receiver.
-    supports_draft_weight_update = False
+    # One receiver serves both models: each update session is begun on the backend's current target
+    # (``_ModelTarget``), which vLLM's worker points at the draft model for a draft session before
+    # ``start_weight_update`` and back at the target model after it (``reset_weight_update_target``).
+    # The session, its plan, validation, report and version belong to the model it was begun on.
+    supports_draft_weight_update = True
 
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)

@@ -8,9 +8,14 @@ importing one never imports the other platform's worker.
 RPCs (all return JSON-able values):
 - ``reload_weights(weights_path=..., weights_iterator=..., version=..., rollback=..., budget_bytes=...,
   fingerprint=...)``: a weight_sync update of vLLM's model; returns the update report as a dict.
-- ``ws_fingerprint()``: :func:`~weight_sync.integrations.vllm.model_hooks.kernel_fingerprint` of the model.
-- ``ws_last_report()``: the report of the last successful update, or None.
-- ``ws_status()``: ``{"torn": reason | None, "version": ..., "updating": bool}``.
+- ``ws_fingerprint(draft=False)``: :func:`~weight_sync.integrations.vllm.model_hooks.kernel_fingerprint` of
+  the model (of the speculative draft model with ``draft=True``).
+- ``ws_last_report(draft=False)``: the report of the model's (drafter's) last successful update, or None.
+- ``ws_status()``: ``{"torn": reason | None, "version": ..., "updating": bool}``, plus ``"draft"``
+  (the same for the draft model) in engines with one.
+
+``start_draft_weight_update`` is vLLM's: the worker retargets the weight-transfer backend at the draft
+model for one session, which weight_sync validates, writes, commits and reports like any other.
 """
 
 from __future__ import annotations
@@ -70,6 +75,7 @@ class WeightSyncWorkerMixin:
     vllm_config: Any
     model_config: Any
     model_runner: Any
+    speculative_config: Any
     rank: int
 
     # ------------------------------------------------------------------ setup
@@ -97,6 +103,38 @@ class WeightSyncWorkerMixin:
                 "loader bypassed record_metadata_for_reloading, so reloads cannot restore model format"
             )
         prepare_loaded_model(model, self.vllm_config)
+        draft = self._ws_draft_model()
+        if draft is not None:
+            # The drafter (speculative decoding's draft model) is built inside the same load_model, so it
+            # is recorded at construction like the target; vLLM's start_draft_weight_update then updates
+            # it through the same lifecycle.
+            if not any(m is draft for m in built):
+                raise RuntimeError(
+                    f"[rank {self.rank}] weight_sync did not see vLLM build the draft model "
+                    f"{type(draft).__name__}: its loader bypassed record_metadata_for_reloading, so draft "
+                    "weight updates cannot restore model format"
+                )
+            prepare_loaded_model(draft, self.vllm_config, dtype=self.speculative_config.draft_model_config.dtype)
+
+    def _ws_draft_model(self) -> nn.Module | None:
+        """The speculative draft model, or None when the engine has none (vLLM's ``get_draft_model``)."""
+        spec = getattr(self, "speculative_config", None)
+        if spec is None or getattr(spec, "draft_model_config", None) is None:
+            return None
+        get_draft_model = getattr(self.model_runner, "get_draft_model", None)
+        return get_draft_model() if callable(get_draft_model) else None
+
+    def _ws_model(self, rpc: str, draft: bool) -> nn.Module:
+        """The model an inspection RPC names: the target model, or the draft model with ``draft=True``."""
+        if not draft:
+            return self.get_model()  # type: ignore[attr-defined]
+        model = self._ws_draft_model()
+        if model is None:
+            raise ConfigError(
+                f"{rpc}(draft=True): the engine has no draft model (speculative_config with a draft model, "
+                "e.g. method 'draft_model' or 'eagle'); got no drafter on this worker"
+            )
+        return model
 
     # ------------------------------------------------------------------ vLLM's RL API
     @_answers_every_rank
@@ -233,23 +271,36 @@ class WeightSyncWorkerMixin:
                 fn()
 
     # ------------------------------------------------------------------ extension RPCs
-    def ws_fingerprint(self) -> str:
-        """Fingerprint of the model's kernel tensors (KV caches excluded)."""
-        return kernel_fingerprint(self.get_model())  # type: ignore[attr-defined]
+    def ws_fingerprint(self, draft: bool = False) -> str:
+        """Fingerprint of the model's kernel tensors (KV caches excluded); the drafter's with ``draft``."""
+        return kernel_fingerprint(self._ws_model("ws_fingerprint", draft))
 
-    def ws_last_report(self) -> dict[str, Any] | None:
-        """The report of the last committed weight_sync update on this worker, or None."""
-        return last_report(self.get_model())  # type: ignore[attr-defined]
+    def ws_last_report(self, draft: bool = False) -> dict[str, Any] | None:
+        """The report of the model's last committed weight_sync update on this worker, or None; the
+        drafter's with ``draft``."""
+        return last_report(self._ws_model("ws_last_report", draft))
 
     def ws_status(self) -> dict[str, Any]:
-        """Whether the model is torn (and why), its weight version, and whether an update is open."""
+        """Whether the engine is torn (and why), the model's weight version, whether an update is open.
+
+        With a draft model, ``"draft"`` holds the same three fields for it, and a torn drafter makes the
+        engine torn: its proposals would come from a mix of versions.
+        """
         model = self.get_model()  # type: ignore[attr-defined]
-        state = get_state(model)
-        return {
-            "torn": torn_reason(model),
-            "version": state.version,
-            "updating": state.active is not None,
-        }
+        status = _model_status(model)
+        draft = self._ws_draft_model()
+        if draft is not None:
+            draft_status = _model_status(draft)
+            status["draft"] = draft_status
+            if status["torn"] is None and draft_status["torn"] is not None:
+                status["torn"] = f"draft model: {draft_status['torn']}"
+            status["updating"] = status["updating"] or draft_status["updating"]
+        return status
+
+
+def _model_status(model: nn.Module) -> dict[str, Any]:
+    state = get_state(model)
+    return {"torn": torn_reason(model), "version": state.version, "updating": state.active is not None}
 
 
 def _local_checkpoint(model_config: Any, weights_path: str | None) -> str:
