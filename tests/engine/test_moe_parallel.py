@@ -35,14 +35,19 @@ def _on_rank(rank: int, world: int, a: str, b: str) -> dict[str, Any]:
         for quant in ("fp8", "fp8_block"):
             q = ReferenceEngine.from_checkpoint(a, quantization=quant, tp_group=group, expert_parallel=ep)
             out[f"{mode}_{quant}"] = _experts(q)
-    for quant in (None, "fp8"):
-        # A reload of B into an expert-parallel engine on A equals a fresh expert-parallel engine on B.
-        engine = ReferenceEngine.from_checkpoint(a, quantization=quant, tp_group=group, expert_parallel=True)
-        report = engine.reload_weights(b)
-        fresh = ReferenceEngine.from_checkpoint(b, quantization=quant, tp_group=group, expert_parallel=True)
-        got, want = kernel_tensors(engine.model), kernel_tensors(fresh.model)
-        out[f"reload_{quant}"] = sorted(n for n in want if not bitwise_equal(got[n], want[n]))
-        out[f"ignored_{quant}"] = [n for n in report.keys_ignored if n.startswith("model.layers.0.")]
+    for mode in ("tp", "ep"):
+        for quant in (None, "fp8", "fp8_block"):
+            # A reload of B into an engine on A equals a fresh engine on B (quantized experts are
+            # processed expert by expert on the reload, as their keys arrive).
+            ep = mode == "ep"
+            engine = ReferenceEngine.from_checkpoint(a, quantization=quant, tp_group=group, expert_parallel=ep)
+            report = engine.reload_weights(b)
+            fresh = ReferenceEngine.from_checkpoint(b, quantization=quant, tp_group=group, expert_parallel=ep)
+            got, want = kernel_tensors(engine.model), kernel_tensors(fresh.model)
+            out[f"reload_{mode}_{quant}"] = sorted(n for n in want if not bitwise_equal(got[n], want[n]))
+            out[f"ignored_{mode}_{quant}"] = [n for n in report.keys_ignored if n.startswith("model.layers.0.")]
+            out[f"report_{mode}_{quant}"] = (report.layers_per_unit, report.units_processed,
+                                             report.peak_buffered_bytes)
     return out
 
 
@@ -89,12 +94,35 @@ def test_ep2_ranks_hold_whole_experts_identical_to_tp1s(quant: str, results) -> 
             assert bitwise_equal(got[name], t[rank * 4 : rank * 4 + 4]), name
 
 
-@pytest.mark.parametrize("quant", [None, "fp8"])
+@pytest.mark.parametrize("quant", [None, "fp8", "fp8_block"])
 def test_ep2_reload_equals_fresh_and_each_rank_ignores_the_others_experts(quant, results) -> None:
     ranks, _ = results
     for rank, r in enumerate(ranks):
-        assert r[f"reload_{quant}"] == []
+        assert r[f"reload_ep_{quant}"] == []
         others = range(4, 8) if rank == 0 else range(4)
-        assert sorted(r[f"ignored_{quant}"]) == sorted(
+        assert sorted(r[f"ignored_ep_{quant}"]) == sorted(
             f"{EXPERTS}{e}.{p}.weight" for e in others for p in ("gate_proj", "up_proj", "down_proj")
         )
+
+
+@pytest.mark.parametrize("mode", ["tp", "ep"])
+@pytest.mark.parametrize("quant", ["fp8", "fp8_block"])
+def test_tp2_and_ep2_reloads_process_each_local_expert_on_its_own_bitwise_equal_to_fresh(
+    mode: str, quant: str, results
+) -> None:
+    ranks, _ = results
+    # TP inside experts: every rank holds all 8 experts at half width (w13 [64, 128] + w2 [128, 32]
+    # bf16 staging each); EP: 4 whole experts per rank (w13 [128, 128] + w2 [128, 64]).
+    local, one_expert = (8, (64 * 128 + 128 * 32) * 2) if mode == "tp" else (4, (128 * 128 + 128 * 64) * 2)
+    for r in ranks:
+        assert r[f"reload_{mode}_{quant}"] == []
+        per_unit, units, peak = r[f"report_{mode}_{quant}"]
+        assert per_unit == ("model.layers.0.mlp.experts", "model.layers.1.mlp.experts")
+        assert units == 2 * local
+        assert peak < local * one_expert  # never the whole experts layer's staging
+
+
+def test_tp2_reload_without_quantization_writes_experts_in_place(results) -> None:
+    ranks, _ = results
+    for r in ranks:
+        assert r["reload_tp_None"] == [] and r["report_tp_None"] == ((), 0, 0)

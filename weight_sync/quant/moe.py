@@ -3,7 +3,9 @@
 The vLLM convention (``FusedMoEMethodBase``): the layer owns ``w13_weight [E, 2I, H]`` (per expert: gate
 rows, then up rows) and ``w2_weight [E, H, I]`` in model format, with the layer's expert ``weight_loader``.
 ``process_weights_after_loading`` turns them into kernel format, run by the reload lifecycle when the
-layer's last expected key arrives (first load and reload alike). :meth:`FusedMoEMethod.expert_weights`
+layer's last expected key arrives (the first load); on reloads ``Fp8FusedMoEMethod.process_units``
+quantizes each expert into the live kernel tensors as soon as its keys have arrived
+(:mod:`weight_sync.reload.units`). :meth:`FusedMoEMethod.expert_weights`
 gives one expert's two matrices in the activation dtype for the reference forward.
 
 Online fp8 (vLLM's ``Fp8PerTensorOnlineMoEMethod`` / ``Fp8PerBlockOnlineMoEMethod``):
@@ -22,7 +24,7 @@ reference forward dequantizes one expert at a time (no fused fp8 kernel).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -118,6 +120,33 @@ class Fp8FusedMoEMethod(FusedMoEMethod):
             q, scale = quantize_fp8_experts(w.detach(), self.config, group, out)
             setattr(layer, f"{stem}_weight", _param(q))
             setattr(layer, f"{stem}_{self.scale_name}", _param(scale))
+
+    def process_units(
+        self,
+        layer: nn.Module,
+        units: Sequence[int],
+        staging: Mapping[str, torch.Tensor],
+        targets: Mapping[str, torch.Tensor],
+    ) -> None:
+        """Quantize local experts ``units`` from their model-format ``staging`` into the live kernel tensors.
+
+        The expert-granular reload hook (:mod:`weight_sync.reload.units`): ``staging`` holds
+        ``w13_weight [len(units), 2I, H]`` and ``w2_weight [len(units), H, I]``; expert ``units[j]`` is
+        written into ``targets[...][units[j]]`` with exactly the bytes and scale that processing the
+        whole layer gives it. Per-tensor scales are MAX-reduced over the ranks that split the expert
+        once per expert here: every rank completes experts in the order of the (identical) stream, so
+        the collectives pair up.
+        """
+        group = getattr(layer, "moe_tp_group", None)
+        for stem in ("w13", "w2"):
+            w = staging[f"{stem}_weight"]
+            qweight, scale = targets[f"{stem}_weight"], targets[f"{stem}_{self.scale_name}"]
+            for j, e in enumerate(units):
+                out = (qweight.detach()[e : e + 1], scale.detach()[e : e + 1])
+                q, s = quantize_fp8_experts(w[j : j + 1].detach(), self.config, group, out)
+                for got, dst in ((q, out[0]), (s, out[1])):
+                    if got.data_ptr() != dst.data_ptr():
+                        dst.copy_(got)
 
     def expert_weights(
         self, layer: nn.Module, expert: int, dtype: torch.dtype

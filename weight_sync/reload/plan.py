@@ -18,7 +18,7 @@ import torch
 if TYPE_CHECKING:
     from weight_sync.layers.meta import TensorRecord
 
-__all__ = ["CopyOp", "KeyMode", "KeyPlan", "LoaderCall", "Plan", "loader_call_args"]
+__all__ = ["CopyOp", "KeyMode", "KeyPlan", "LoaderCall", "Plan", "loader_call_args", "span"]
 
 KeyMode = Literal["copy", "loader", "ignored"]
 
@@ -94,6 +94,8 @@ class Plan:
     layer_keys: dict[str, set[str]] = field(default_factory=dict)
     # Per layer, the tensors its keys' recorded copies write entirely (computed on demand, cached).
     coverage: dict[str, frozenset[str]] = field(default_factory=dict)
+    # Per layer, its units (see reload/units.py) or why it has none (computed on demand, cached).
+    units: dict[str, Any] = field(default_factory=dict)
     # A key's single weight_loader call -> the key (None where two keys made the same call).
     loader_calls: dict[LoaderCall, str | None] = field(default_factory=dict)
 
@@ -103,6 +105,7 @@ class Plan:
             for layer in old.layers:
                 self.layer_keys.get(layer, set()).discard(kp.name)
                 self.coverage.pop(layer, None)
+                self.units.pop(layer, None)
             for call in old.calls:
                 if self.loader_calls.get(call) == kp.name:
                     del self.loader_calls[call]
@@ -110,6 +113,7 @@ class Plan:
         for layer in kp.layers:
             self.layer_keys.setdefault(layer, set()).add(kp.name)
             self.coverage.pop(layer, None)
+            self.units.pop(layer, None)
         if len(kp.calls) == 1:
             call = kp.calls[0]
             self.loader_calls[call] = kp.name if self.loader_calls.get(call, kp.name) == kp.name else None
@@ -137,7 +141,7 @@ class Plan:
                 mask = masks.get(op.tensor)
                 if mask is None:
                     mask = masks[op.tensor] = torch.zeros(
-                        _span(rec.shape, rec.stride), dtype=torch.bool
+                        span(rec.shape, rec.stride), dtype=torch.bool
                     )
                 mask.as_strided(op.dst_size, op.dst_stride, op.dst_offset).fill_(True)
         full = frozenset(
@@ -148,7 +152,7 @@ class Plan:
         return full
 
 
-def _span(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
+def span(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
     """Elements of storage a (shape, stride) view spans from its first element."""
     if any(d == 0 for d in shape):
         return 0

@@ -81,6 +81,12 @@ class ProcessedLayers:
     _attr_snapshots: list[tuple[nn.Module, frozenset[str], dict[str, Any]]]
     _processed_done: list[str]
     _first_processed: list[LayerInfo]
+    # Layers processed unit by unit (see reload/units.py): open ones, those done, and the layers that
+    # offer a per-unit processor but took the layer path this update, with why.
+    _unit_open: dict[str, Any]
+    _per_unit: list[str]
+    _unit_fallbacks: dict[str, str]
+    _num_units: int
     # Staging bytes held now and at most, on the model's device and in host memory (spilled beyond the
     # budget), and the layers that waited for keys while another layer opened (out of layer order).
     _buffered: int
@@ -93,6 +99,7 @@ class ProcessedLayers:
     _seconds: dict[str, float]
     _host: torch.device
     _lenders: set[str]
+    _lend: dict[str, Lend]
     # Installs direct weight_loader routing on a tensor (set while initialize_layerwise_reload routes).
     route: Callable[[str, str, torch.Tensor], Any] | None
 
@@ -124,10 +131,12 @@ class ProcessedLayers:
                 lent[name] = (anchor, storage_uses(anchor))
                 nbytes -= info.records[name].nbytes  # the caller's memory, not staging
         spill = self._buffered + nbytes > self.budget_bytes
-        if self._open:
+        waiting = [n for n, ou in self._unit_open.items() if ou.staging] if self._unit_open else []
+        if self._open or waiting:
             # Another layer still waits for keys: the stream is out of layer order. Reported once per
             # update, when it ends, with the bytes really held (see UpdateSession._report_buffering).
             self._waited.update(self._open)
+            self._waited.update(waiting)
             self._waited.add(info.name)
         where = self._host if spill else self.device
         pin = spill and self.device.type == "cuda"

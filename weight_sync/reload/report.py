@@ -19,7 +19,11 @@ class UpdateReport:
     """The result of one update: what arrived, which path each layer took, how long each phase ran.
 
     ``layers_direct`` were written straight into live storage; ``layers_processed`` were buffered in
-    model format, processed (e.g. quantized) and copied into their kernel tensors. ``keys_replayed`` went
+    model format, processed (e.g. quantized) and copied into their kernel tensors; of those,
+    ``layers_per_unit`` completed and were processed one unit (expert) at a time, straight into their
+    kernel tensors (``units_processed`` units in all), and the rest as whole layers.
+    ``per_unit_fallbacks`` names the layers that offer per-unit processing but took the layer path in
+    this update, with why (e.g. the first load). ``keys_replayed`` went
     through recorded copies, ``keys_via_loader`` through the real loader (plan fallback).
     ``peak_buffered_bytes`` counts model-format staging of pending layers on the model's device;
     ``spilled_bytes`` is staging that went to host memory because the budget was full.
@@ -39,11 +43,15 @@ class UpdateReport:
     seconds: dict[str, float] = field(default_factory=dict)
     fingerprint: str | None = None
     partial: bool = False
+    layers_per_unit: tuple[str, ...] = ()
+    units_processed: int = 0
+    per_unit_fallbacks: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as a dict (what ``dataclasses.asdict`` gives, without its deep copy of every name)."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["seconds"] = dict(self.seconds)
+        out["per_unit_fallbacks"] = dict(self.per_unit_fallbacks)
         return out
 
     def summary(self) -> str:
@@ -51,6 +59,7 @@ class UpdateReport:
         return (
             f"version={self.version} tensors={self.num_tensors} MB={self.num_bytes / 1e6:.1f} "
             f"direct={len(self.layers_direct)} processed={len(self.layers_processed)} "
+            f"per_unit={len(self.layers_per_unit)} "
             f"peak_buffered_MB={self.peak_buffered_bytes / 1e6:.1f} "
             f"total_s={self.seconds.get('total', 0.0):.3f}"
         )

@@ -9,8 +9,8 @@ live storage. *Processed* layers (online quantization, repacking) get zero-fille
 tensors when their first key arrives (or borrow the caller's memory where it already is that staging,
 see :mod:`weight_sync.reload.borrow`); when their last expected key arrives they are processed and the
 resulting kernel tensors are copied into the kernel tensors that existed before, whose objects (and
-addresses) are then reinstalled. Staging of pending layers on the model's device is capped by the budget;
-beyond it staging goes to host memory (pinned on CUDA) and moves back only to be processed.
+addresses) are then reinstalled; a layer of units (experts) does so per unit on reloads (:mod:`.units`).
+Staging on the model's device is capped by the budget; beyond it staging goes to host memory.
 
 Failure at any point aborts: with ``rollback=True`` every layer written so far is restored bitwise from a
 host snapshot taken just before its first write; otherwise the model is marked torn and refuses to serve
@@ -39,9 +39,10 @@ from weight_sync.layers.tensors import signatures, verify_signatures
 from weight_sync.manifest import Manifest, TensorMeta
 from weight_sync.reload.borrow import lend_batch, lend_single, lenders
 from weight_sync.reload.plan import CopyOp, KeyPlan, Plan
-from weight_sync.reload.processing import Lend, OpenLayer, ProcessedLayers, storage_uses
+from weight_sync.reload.processing import Lend, OpenLayer, storage_uses
 from weight_sync.reload.report import UpdateReport, fingerprint
 from weight_sync.reload.state import LayerInfo, ModelState, model_load_weights
+from weight_sync.reload.units import UnitLayers
 from weight_sync.reload.validation import (
     accept_manifest,
     check_against_plan,
@@ -55,7 +56,7 @@ __all__ = ["UpdateSession"]
 log = logging.getLogger(__name__)
 
 
-class UpdateSession(ProcessedLayers):
+class UpdateSession(UnitLayers):
     """A weight update in progress on one model; create it with :func:`weight_sync.begin_update`."""
 
     def __init__(
@@ -104,6 +105,7 @@ class UpdateSession(ProcessedLayers):
         self._attr_snapshots: list[tuple[nn.Module, frozenset[str], dict[str, Any]]] = []
         self._processed_done: list[str] = []
         self._first_processed: list[LayerInfo] = []
+        self._init_units()
         self._buffered = 0
         self._peak = 0
         self._host_held = 0
@@ -268,6 +270,8 @@ class UpdateSession(ProcessedLayers):
                     self._complete(ol)
                     if ol.lent:
                         self._check_lent(ol)
+            elif self._unit_open:
+                self._unit_arrived(layer, name)
 
     def _replay(self, kp: KeyPlan, tensor: torch.Tensor, layer: str | None = None) -> tuple[list, bool]:
         """Replay the key's copies (only those into ``layer`` if given), skipping borrowed staging (the
@@ -279,6 +283,11 @@ class UpdateSession(ProcessedLayers):
         views = []
         for op in kp.ops:
             if layer is not None and op.layer != layer:
+                continue
+            ou = self._unit_open.get(op.layer) if self._unit_open else None
+            if ou is not None:
+                self._write_unit(ou, kp.name, op, src if op.src_whole else _src_view(op, src))
+                direct = False
                 continue
             base, staged = self._target(op)
             direct = direct and not staged
@@ -346,12 +355,14 @@ class UpdateSession(ProcessedLayers):
 
     def _prepare(self, layer: str) -> None:
         """Make ``layer`` ready to receive data: snapshot (rollback) a direct layer, open a processed one."""
-        if layer in self._open or layer in self._touched:
+        if layer in self._open or layer in self._touched or layer in self._unit_open:
             return
         info = self.state.layers[layer]
         if info.direct:
             self._snapshot(info)
             self._touched.add(layer)
+            return
+        if info.unit_processor is not None and self._open_units(info):
             return
         self._open_processed(info, self._lend.pop(layer, None) if self._lend else None)
 
@@ -391,6 +402,7 @@ class UpdateSession(ProcessedLayers):
                         f"missing {name_list(ol.remaining)}",
                         tuple(sorted(ol.remaining)),
                     )
+            self._check_units_complete()
             t0 = time.perf_counter()
             for hook in self.state.post_update_hooks:
                 hook(self.model)
@@ -450,6 +462,9 @@ class UpdateSession(ProcessedLayers):
                 {layer for n in self._arrived for layer in self.plan.keys[n].layers} - processed
             )),
             layers_processed=tuple(self._processed_done),
+            layers_per_unit=tuple(self._per_unit),
+            units_processed=self._num_units,
+            per_unit_fallbacks=dict(self._unit_fallbacks),
             keys_replayed=self._replayed,
             keys_via_loader=self._via_loader,
             keys_ignored=tuple(self._ignored),
@@ -473,6 +488,7 @@ class UpdateSession(ProcessedLayers):
         for ol in list(self._open.values()):
             self._restore_objects(ol, keep_new_attrs=False)
         self._open.clear()
+        self._reinstall_units()
         unrestored = self._touched
         if self.rollback:
             with torch.no_grad():

@@ -71,6 +71,9 @@ class LayerInfo:
     # a tensor that arrives whole can be processed where it lies instead of from a copy. Declared by
     # ``module.ws_processor_reads_input = True``; cleared if processing is ever seen keeping its input.
     reads_input: bool = False
+    # Processes the layer unit by unit (one expert at a time) on reloads: ``fn(module, units, staging,
+    # targets)``, see :mod:`weight_sync.reload.units`; None for processing that is layer-wide.
+    unit_processor: Callable[..., None] | None = None
     _nbytes: int | None = None
 
     @property
@@ -168,6 +171,25 @@ def _processor_for(module: nn.Module) -> Callable[[nn.Module], None] | None:
     return None
 
 
+def _unit_processor_for(module: nn.Module, processor: Callable[[nn.Module], None] | None) -> Callable[..., None] | None:
+    """The per-unit processor belonging to ``processor`` (see :mod:`weight_sync.reload.units`), if any.
+
+    ``module.ws_process_units`` wins; otherwise the ``process_units`` of the quant method whose
+    ``process_weights_after_loading`` is the processor (a hook of another method would process
+    differently from the layer's own processing).
+    """
+    if processor is None:
+        return None
+    explicit = getattr(module, "ws_process_units", None)
+    if explicit is not None or getattr(module, "ws_processor", None) is not None:
+        return explicit
+    qm = getattr(module, "quant_method", None)
+    fn = getattr(qm, "process_units", None)
+    if fn is None or processor != qm.process_weights_after_loading:  # type: ignore[union-attr]
+        return None
+    return fn  # type: ignore[no-any-return]
+
+
 def _call_own_processor(module: nn.Module) -> None:
     module.process_weights_after_loading()  # type: ignore[operator]
 
@@ -191,11 +213,13 @@ def record_layers(model: nn.Module) -> dict[str, LayerInfo]:
             own[n] = r
         if not own:
             continue
+        processor = _processor_for(mod)
         layers[name] = LayerInfo(
             name=name,
             module=mod,
             records=own,
-            processor=_processor_for(mod),
+            processor=processor,
+            unit_processor=_unit_processor_for(mod, processor),
             block=block_key(f"{name}.x").name,
             initial_attrs=frozenset(vars(mod)),
             reads_input=getattr(mod, "ws_processor_reads_input", False) is True,
