@@ -240,3 +240,42 @@ def test_begin_update_on_a_plain_module_keeps_the_promise_after_a_partial_update
     with begin_update(model, Manifest.from_named_tensors(full[:2]), allow_partial=True) as s:
         s.load(full[:2])
     assert torn_reason(model) is None
+
+
+# ---------------------------------------------------------------- the first update after a foreign load
+def _foreign_loaded(path: Path) -> ReferenceEngine:
+    """An engine whose weights another loader wrote (the model's own load_weights, as vLLM's loader)."""
+    engine = ReferenceEngine.from_checkpoint(path, load_weights=False)
+    engine.model.load_weights(iter_checkpoint(path))
+    return engine
+
+
+def test_the_first_update_after_a_foreign_load_is_held_to_the_declared_checkpoint(qwen3_a, qwen3_b) -> None:
+    from weight_sync.reload import declare_loaded_layout, manifest_from_checkpoint
+
+    engine = _foreign_loaded(qwen3_a)
+    assert declare_loaded_layout(engine.model, manifest_from_checkpoint(qwen3_a)) == []
+    layer1 = [(n, t) for n, t in _items(qwen3_b) if n.startswith(LAYER1)]
+    # Only layer 1 of B: without the declared layout this was accepted and served a mix of A and B.
+    with pytest.raises(IncompleteUpdateError, match="expected tensor"):
+        engine.reload_weights(weights_iterator=iter(layer1), rollback=True)
+    with pytest.raises(ManifestError, match="lacks"):
+        engine.begin_update(Manifest.from_named_tensors(layer1))
+    bigger = [(n, torch.zeros(t.shape[0] + 128, *t.shape[1:], dtype=t.dtype) if n == Q_PROJ else t)
+              for n, t in _items(qwen3_b)]
+    with pytest.raises(ManifestError, match=re.escape(Q_PROJ)):
+        engine.begin_update(Manifest.from_named_tensors(bigger))
+    assert_bitwise_equal(engine.model, ReferenceEngine.from_checkpoint(qwen3_a).model)
+    engine.reload_weights(qwen3_b)
+    assert_bitwise_equal(engine.model, ReferenceEngine.from_checkpoint(qwen3_b).model)
+
+
+def test_a_declared_layout_leaves_out_what_the_models_loaders_refuse(qwen3_a) -> None:
+    from weight_sync.manifest import TensorMeta
+    from weight_sync.reload import declare_loaded_layout, manifest_from_checkpoint
+
+    engine = _foreign_loaded(qwen3_a)
+    declared = manifest_from_checkpoint(qwen3_a)
+    extra = Manifest((*declared.tensors, TensorMeta("model.layers.9.mlp.up_proj.weight", torch.bfloat16, (4, 4))))
+    assert declare_loaded_layout(engine.model, extra) == ["model.layers.9.mlp.up_proj.weight"]
+    engine.reload_weights(qwen3_a)  # the refused name is not required of updates

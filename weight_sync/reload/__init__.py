@@ -11,6 +11,7 @@ patched partially); processors must produce the same kernel tensor shapes and dt
 
 from weight_sync.reload.api import (
     begin_update,
+    declare_loaded_layout,
     finalize_layerwise_processing,
     finalize_layerwise_reload,
     initialize_layerwise_reload,
@@ -37,6 +38,7 @@ __all__ = [
     "UpdateSession",
     "begin_update",
     "check_servable",
+    "declare_loaded_layout",
     "finalize_layerwise_processing",
     "finalize_layerwise_reload",
     "fingerprint",

@@ -20,12 +20,15 @@ from weight_sync.checkpoints import checkpoint_metas, map_checkpoint
 from weight_sync.errors import SourceError, UpdateStateError, WeightSyncError
 from weight_sync.manifest import Manifest, TensorMeta
 from weight_sync.reload.loaders import route_weight_loaders
+from weight_sync.reload.plan import Plan
 from weight_sync.reload.report import UpdateReport
 from weight_sync.reload.session import UpdateSession
 from weight_sync.reload.state import get_state, has_state
+from weight_sync.reload.validation import plan_missing
 
 __all__ = [
     "begin_update",
+    "declare_loaded_layout",
     "finalize_layerwise_processing",
     "finalize_layerwise_reload",
     "guarded_source",
@@ -70,6 +73,27 @@ def begin_update(
         model, state, manifest=manifest, budget_bytes=budget_bytes, rollback=rollback,
         version=version, allow_partial=allow_partial, compute_fingerprint=fingerprint,
     )
+
+
+def declare_loaded_layout(model: nn.Module, manifest: Manifest) -> list[str]:
+    """Declare the checkpoint layout another loader (vLLM's) filled ``model`` from: the first
+    weight_sync update is then held to it, as later ones are held to the last complete update.
+
+    Without it, the first update after a foreign load has nothing to be checked against: one that
+    covers only some layers would leave the others as they were (a mix), and a tensor larger than the
+    parameter could pass where the model's loader narrows it (vLLM's TP=1 loaders take the first rows).
+    The announced keys are planned now (a dry run on meta tensors: nothing is written); keys the model's
+    loaders refuse are left out and returned. A model that already has a reference keeps it.
+    """
+    state = get_state(model, create=True)
+    if state.reference is not None:
+        return []
+    if state.plan is None:
+        state.plan = Plan()
+    problems = plan_missing(model, state, state.plan, list(manifest))
+    state.reference = Manifest(tuple(TensorMeta(m.name, m.dtype, m.shape) for m in manifest
+                                     if m.name not in problems))
+    return sorted(problems)
 
 
 def manifest_from_checkpoint(path: str | os.PathLike, *, version: Any = None) -> Manifest:

@@ -235,3 +235,23 @@ def test_upstream_style_low_level_calls_on_a_vllm_model_commit_what_was_sent_lik
     on_a.collective_rpc("reload_weights", kwargs={"weights_path": str(vllm_ckpts["a"])})
     on_a.collective_rpc("reload_weights", kwargs={"weights_path": str(vllm_ckpts["b"])})
     assert on_a.collective_rpc("ws_fingerprint")[0] == fp
+
+
+def test_the_first_update_after_vllms_own_load_is_held_to_the_checkpoint_vllm_loaded(vllm_ckpts, fresh_tokens) -> None:
+    engine = start_llm(vllm_ckpts["a"])
+    try:
+        items = checkpoint_items(vllm_ckpts["b"])
+        gate = next(n for n, _ in items if n.endswith("layers.0.mlp.gate_proj.weight"))
+        # A first update lacking a layer used to be accepted (nothing to check coverage against) ...
+        lacking = [(n, t) for n, t in items if ".layers.1." not in n]
+        with pytest.raises(Exception, match=r"lacks .*model\.layers\.1\."):
+            engine.collective_rpc("reload_weights", kwargs={"weights_iterator": lacking})
+        # ... and so was a tensor larger than its parameter, which vLLM's TP=1 loader narrows.
+        oversized = _with(items, gate, torch.zeros(dict(items)[gate].shape[0] + 128, dict(items)[gate].shape[1],
+                                                   dtype=torch.bfloat16))
+        with pytest.raises(Exception, match=rf"{gate}: engine expects"):
+            engine.collective_rpc("reload_weights", kwargs={"weights_iterator": oversized})
+        assert engine.collective_rpc("ws_status")[0]["torn"] is None
+        assert greedy(engine) == fresh_tokens["a"]
+    finally:
+        stop_llm(engine)

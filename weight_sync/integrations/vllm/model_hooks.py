@@ -30,10 +30,13 @@ import torch
 from torch import nn
 
 import weight_sync
-from weight_sync.errors import LayoutMismatchError
+from weight_sync.checkpoints import resolve_checkpoint
+from weight_sync.errors import LayoutMismatchError, WeightSyncError
 from weight_sync.layers import graph_visible_tensors
 from weight_sync.manifest import dtype_to_str, tensor_checksum
 from weight_sync.reload import (
+    declare_loaded_layout,
+    manifest_from_checkpoint,
     mark_layers_processed,
     register_direct_method,
     register_post_update_hook,
@@ -188,16 +191,41 @@ def _refresh_attention(model: nn.Module, dtype: torch.dtype) -> Callable[[nn.Mod
     return refresh
 
 
-def prepare_loaded_model(model: nn.Module, vllm_config: Any, *, dtype: torch.dtype | None = None) -> None:
-    """After vLLM's first load: declare the layers kernel format and re-process attention after updates.
+def prepare_loaded_model(
+    model: nn.Module, vllm_config: Any, *, dtype: torch.dtype | None = None, model_config: Any = None
+) -> None:
+    """After vLLM's first load: declare the layers kernel format, re-process attention after updates,
+    and hold the first update to the checkpoint vLLM loaded.
 
-    ``dtype``: the model's activation dtype, when it is not the engine's (a draft model has its own
-    model config).
+    ``dtype`` / ``model_config``: the model's activation dtype and config, when they are not the
+    engine's (a draft model has its own model config).
     """
     mark_layers_processed(model)
     register_post_update_hook(
         model, _refresh_attention(model, vllm_config.model_config.dtype if dtype is None else dtype)
     )
+    _hold_to_loaded_checkpoint(model, model_config or vllm_config.model_config,
+                               getattr(vllm_config, "load_config", None))
+
+
+def _hold_to_loaded_checkpoint(model: nn.Module, model_config: Any, load_config: Any) -> None:
+    """The checkpoint vLLM loaded becomes the layout the first update must cover, each tensor in its
+    shape (see :func:`weight_sync.reload.declare_loaded_layout`). Dummy weights, or a checkpoint that is
+    not local, leave the first update checked against the plan only (as before), said in the log."""
+    load_format = str(getattr(load_config, "load_format", "auto")).lower()
+    if "dummy" in load_format:
+        return
+    try:
+        path = resolve_checkpoint(model_config.model, revision=getattr(model_config, "revision", None))
+        manifest = manifest_from_checkpoint(path)
+    except WeightSyncError as e:
+        log.info("%s: the first update is checked against the model's plan only (%s)",
+                 type(model).__name__, e)
+        return
+    dropped = declare_loaded_layout(model, manifest)
+    if dropped:
+        log.info("%s: %d checkpoint tensor(s) the model's loaders refuse are not required of updates: %s",
+                 type(model).__name__, len(dropped), ", ".join(dropped[:4]))
 
 
 def kernel_fingerprint(model: nn.Module) -> str:

@@ -114,7 +114,8 @@ class WeightSyncWorkerMixin:
                     f"{type(draft).__name__}: its loader bypassed record_metadata_for_reloading, so draft "
                     "weight updates cannot restore model format"
                 )
-            prepare_loaded_model(draft, self.vllm_config, dtype=self.speculative_config.draft_model_config.dtype)
+            prepare_loaded_model(draft, self.vllm_config, dtype=self.speculative_config.draft_model_config.dtype,
+                                 model_config=self.speculative_config.draft_model_config)
 
     def _ws_draft_model(self) -> nn.Module | None:
         """The speculative draft model, or None when the engine has none (vLLM's ``get_draft_model``)."""
