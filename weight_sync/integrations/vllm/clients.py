@@ -42,6 +42,7 @@ __all__ = [
     "LLMControl",
     "RayControl",
     "WeightSyncClient",
+    "run_phase",
 ]
 
 log = logging.getLogger(__name__)
@@ -237,6 +238,31 @@ def _manifest_and_tensors(weights: Any, version: Any) -> tuple[Manifest, Any]:
     return manifest, mapping
 
 
+def run_phase(pool: ThreadPoolExecutor, rpc_timeout_s: float, phase: str,
+              engine_call: Callable[[], Any], sender_call: Callable[[], Any]) -> Any:
+    """One lifecycle phase: the engine's half on ``pool``'s thread, the sender's half here (both block
+    until the other side takes part); the first failure is raised, and an engine that does not answer
+    within ``rpc_timeout_s`` is a :class:`TransportTimeout` naming the phase."""
+
+    def join(fut: Future) -> Any:
+        try:
+            return fut.result(timeout=rpc_timeout_s)
+        except FutureTimeout:
+            raise TransportTimeout(f"{phase}: the engine did not answer within {rpc_timeout_s:.0f} s") from None
+
+    fut = pool.submit(engine_call)
+    try:
+        result = sender_call()
+    except BaseException:
+        try:
+            join(fut)
+        except Exception as engine_error:  # the engine agrees on the failure; the sender's error says why
+            log.debug("%s: the engine failed as well: %s", phase, engine_error)
+        raise
+    join(fut)
+    return result
+
+
 class WeightSyncClient:
     """Push weights from this (trainer) process into one vLLM engine through a weight_sync transport.
 
@@ -259,25 +285,8 @@ class WeightSyncClient:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-sync-engine-rpc")
 
     # ------------------------------------------------------------------ plumbing
-    def _join(self, fut: Future, phase: str) -> Any:
-        try:
-            return fut.result(timeout=self.rpc_timeout_s)
-        except FutureTimeout:
-            raise TransportTimeout(f"{phase}: the engine did not answer within {self.rpc_timeout_s:.0f} s") from None
-
     def _phase(self, phase: str, engine_call: Callable[[], Any], sender_call: Callable[[], Any]) -> Any:
-        """Run the engine's half on the helper thread and the sender's half here; raise the first failure."""
-        fut = self._pool.submit(engine_call)
-        try:
-            result = sender_call()
-        except BaseException:
-            try:
-                self._join(fut, phase)
-            except Exception as engine_error:  # the engine agrees on the failure; the sender's error says why
-                log.debug("%s: the engine failed as well: %s", phase, engine_error)
-            raise
-        self._join(fut, phase)
-        return result
+        return run_phase(self._pool, self.rpc_timeout_s, phase, engine_call, sender_call)
 
     def _sender(self) -> WeightSender:
         if self.sender is None:

@@ -23,10 +23,8 @@ within ``2 * timeout_s`` is reported as a timeout.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -37,13 +35,13 @@ from vllm.distributed.weight_transfer.base import (
     WeightSource,
 )
 
-from weight_sync.errors import ConfigError, TransportTimeout
+from weight_sync.errors import ConfigError
+from weight_sync.integrations.vllm.clients import run_phase
 from weight_sync.manifest import Manifest, TensorMeta, dtype_to_str
 from weight_sync.transport import TransferReport, TransportConfig, WeightSender
 
 __all__ = ["WeightSyncTrainerEngine", "WeightSyncTrainerInitInfo", "register_trainer_engine"]
 
-log = logging.getLogger(__name__)
 
 BACKEND = "weight_sync"
 
@@ -140,22 +138,7 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         return engine
 
     def _phase(self, phase: str, engine_call: Callable[[], Any], sender_call: Callable[[], Any]) -> Any:
-        """The engine's half on the helper thread, the sender's here; the first failure is raised."""
-        fut = self._pool.submit(engine_call)
-        try:
-            result = sender_call()
-        except BaseException:
-            try:
-                fut.result(timeout=self._rpc_timeout_s)
-            except Exception as engine_error:  # the engine agrees on the failure; the sender's error says why
-                log.debug("%s: the engine failed as well: %s", phase, engine_error)
-            raise
-        try:
-            fut.result(timeout=self._rpc_timeout_s)
-        except FutureTimeout:
-            raise TransportTimeout(
-                f"{phase}: the engine did not answer within {self._rpc_timeout_s:.0f} s") from None
-        return result
+        return run_phase(self._pool, self._rpc_timeout_s, phase, engine_call, sender_call)
 
     def send_weights(self, *, weight_version: str | None = None) -> None:
         """Push the source to every worker (start, one described call, finish). ``weight_version`` (an
