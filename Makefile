@@ -34,10 +34,17 @@ typecheck: install
 	$(BIN)/mypy weight_sync
 
 # ruff, then the CPU suite (GPU-marked tests run on the device machine via scripts/gpu_check.sh).
+# The RSS-growth test runs first, in a pytest process of its own: it measures the processes it spawns, and
+# after the whole suite has run on this 2-core machine it measured 1.6-1.8% growth where alone (and after any
+# one test directory) it measures 0.4%; its bound stays 1%.
 # pytest exits 5 when nothing was collected; that is not a failure of the suite.
+MEMORY_TEST := tests/transport/test_memory.py
 test: install lint
-	$(BIN)/python -m pytest -q -m "not gpu and not multi_gpu" ; rc=$$?; \
-	  if [ $$rc -eq 5 ]; then echo "pytest: no tests collected"; rc=0; fi; exit $$rc
+	$(BIN)/python -m pytest -q -m "not gpu and not multi_gpu" $(MEMORY_TEST) ; rc1=$$?; \
+	  $(BIN)/python -m pytest -q -m "not gpu and not multi_gpu" --ignore=$(MEMORY_TEST) ; rc=$$?; \
+	  if [ $$rc1 -eq 5 ]; then rc1=0; fi; \
+	  if [ $$rc -eq 5 ]; then echo "pytest: no tests collected"; rc=0; fi; \
+	  if [ $$rc -eq 0 ]; then rc=$$rc1; fi; exit $$rc
 
 gpu-check:
 	bash scripts/gpu_check.sh
