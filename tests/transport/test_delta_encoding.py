@@ -1,0 +1,124 @@
+"""Delta encoding: applying a tensor's encoding to its base gives the new tensor bit for bit, and the
+encoding is never larger than sending the tensor plain (plus its small header and table)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("hypothesis")  # the device machine runs GPU tests without it
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from weight_sync.errors import ConfigError, LayoutMismatchError
+from weight_sync.transport.delta import (
+    FORM_BITMASK,
+    FORM_INDEX,
+    FORM_PLAIN,
+    FORM_SAME,
+    apply_delta_,
+    changed_mask,
+    delta_stats,
+    encode_delta,
+)
+
+DTYPES = [torch.bfloat16, torch.float32, torch.float16]
+PATTERNS = ["empty", "one", "block", "dense", "all", "random"]
+_INT = {2: torch.int16, 4: torch.int32}
+
+
+def _changed(base: torch.Tensor, pattern: str, seed: int, density: float) -> torch.Tensor:
+    """A copy of ``base`` with the elements of ``pattern`` given new random bytes (some may repeat)."""
+    g = torch.Generator().manual_seed(seed)
+    n = base.numel()
+    mask = torch.zeros(n, dtype=torch.bool)
+    if pattern == "one" and n:
+        mask[int(torch.randint(n, (1,), generator=g))] = True
+    elif pattern == "block" and n:
+        start = int(torch.randint(n, (1,), generator=g))
+        mask[start : start + 300] = True
+    elif pattern == "dense":
+        mask = torch.rand(n, generator=g) < 0.9
+    elif pattern == "all":
+        mask[:] = True
+    elif pattern == "random":
+        mask = torch.rand(n, generator=g) < density
+    new = base.clone()
+    ints = new.view(_INT[base.dtype.itemsize]).reshape(-1)
+    info = torch.iinfo(ints.dtype)
+    ints[mask] = torch.randint(info.min, info.max, (int(mask.sum()),), generator=g, dtype=torch.int64).to(ints.dtype)
+    return new
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    dtype=st.sampled_from(DTYPES),
+    pattern=st.sampled_from(PATTERNS),
+    numel=st.integers(0, 5000),
+    chunk_elems=st.sampled_from([8, 64, 1024, 1 << 16]),
+    density=st.floats(0.0, 0.3),
+    seed=st.integers(0, 2**16),
+)
+def test_applying_an_encoding_to_its_base_gives_the_new_tensor_bit_for_bit(
+    dtype: torch.dtype, pattern: str, numel: int, chunk_elems: int, density: float, seed: int
+) -> None:
+    base = torch.randn(numel, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    new = _changed(base, pattern, seed + 1, density)
+    enc = encode_delta(new, base, chunk_elems=chunk_elems)
+    target = base.clone()
+    positions = apply_delta_(target, enc)
+    assert torch.equal(target.view(_INT[dtype.itemsize]), new.view(_INT[dtype.itemsize]))
+    assert torch.equal(positions, torch.nonzero(changed_mask(new, base)).reshape(-1))
+    stats = delta_stats(enc, numel, dtype)
+    num_chunks = -(-numel // chunk_elems)
+    # Never more than plain bytes, plus the fixed header and table (and 8-byte alignment of 6 regions).
+    assert stats.nbytes <= stats.plain_nbytes + 16 + 8 * num_chunks + 6 * 8
+    assert sum(stats.chunks) == num_chunks
+
+
+def test_a_two_dimensional_tensor_is_encoded_by_its_flat_elements() -> None:
+    base = torch.randn(300, 70).to(torch.bfloat16)
+    new = base.clone()
+    new[17, 3] += 1
+    target = base.clone()
+    assert apply_delta_(target, encode_delta(new, base)).tolist() == [17 * 70 + 3]
+    assert torch.equal(target, new)
+
+
+def test_negative_zero_and_nan_payloads_count_as_changes_and_an_unchanged_nan_does_not() -> None:
+    base = torch.tensor([0.0, float("nan"), float("nan"), 1.0])
+    new = base.clone()
+    new[0] = -0.0
+    new.view(torch.int32)[1] = 0x7FC00001  # another NaN payload
+    assert changed_mask(new, base).tolist() == [True, True, False, False]
+    target = base.clone()
+    apply_delta_(target, encode_delta(new, base))
+    assert torch.equal(target.view(torch.int32), new.view(torch.int32))
+
+
+def test_each_chunk_picks_the_smallest_form_and_dense_chunks_go_plain() -> None:
+    base = torch.zeros(4 * 1024, dtype=torch.bfloat16)
+    new = base.clone()
+    new[1024 + 5] = 1.0  # chunk 1: one change -> index
+    new[2048 : 2048 + 400 : 2] = 1.0  # chunk 2: 200 changes -> bitmask (128 B + 400 B < 200 * 6 B)
+    new[3072:] = 1.0  # chunk 3: every element -> plain
+    stats = delta_stats(encode_delta(new, base, chunk_elems=1024), new.numel(), new.dtype)
+    assert stats.chunks == (1, 1, 1, 1)
+    assert stats.num_changed == 1 + 200 + 1024
+    from weight_sync.transport import delta
+
+    forms = delta._parse(encode_delta(new, base, chunk_elems=1024), new.numel(), new.dtype).form.tolist()
+    assert forms == [FORM_SAME, FORM_INDEX, FORM_BITMASK, FORM_PLAIN]
+
+
+def test_a_payload_for_another_tensor_is_refused_naming_what_differs() -> None:
+    base = torch.randn(100)
+    enc = encode_delta(base + 1, base)
+    with pytest.raises(LayoutMismatchError, match="item size"):
+        apply_delta_(torch.zeros(100, dtype=torch.bfloat16), enc)
+    with pytest.raises(LayoutMismatchError, match="chunks"):
+        apply_delta_(torch.zeros(1 << 17), enc)
+    with pytest.raises(LayoutMismatchError, match="must match"):
+        encode_delta(base, base[:10])
+    with pytest.raises(ConfigError, match="chunk_elems"):
+        encode_delta(base, base, chunk_elems=12)
