@@ -9,6 +9,7 @@ __all__ = [
     "CacheError",
     "ChecksumError",
     "ConfigError",
+    "DeltaBaseError",
     "DuplicateTensorError",
     "IncompleteUpdateError",
     "LayoutMismatchError",
@@ -34,6 +35,10 @@ class ConfigError(WeightSyncError, ValueError):
 
 class ManifestError(WeightSyncError, ValueError):
     """A manifest disagrees with the receiver's plan or with the data that followed it."""
+
+
+class DeltaBaseError(ManifestError):
+    """A delta update's base (version, fingerprint) is not the engine's committed state; nothing written."""
 
 
 class UnknownTensorError(WeightSyncError, KeyError):

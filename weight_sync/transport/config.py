@@ -44,6 +44,11 @@ class TransportConfig:
     zero_copy (ipc, shm): no buffers, no packing; receivers read the sender's own tensors in place, each
     storage exported once and kept mapped while it lives (see ``weight_sync.transport.zerocopy``): one
     device copy per byte. Needs ``checksum=False`` (nothing is in transit to checksum).
+    delta: ``send()`` ships each tensor as its exact byte changes against the version every engine last
+    committed (see ``weight_sync.transport.delta_sync``); the sender keeps a copy of the sent weights as
+    that base, on the tensors' device (``delta_base="device"``) or in host memory (``"pinned"``), and
+    every engine rank keeps one in host memory. delta_chunk_elems: elements per encoding chunk (a
+    multiple of 8); each chunk goes as a bitmask, an index list or plain, whichever is smallest.
     """
 
     backend: str = "gloo"
@@ -59,6 +64,9 @@ class TransportConfig:
     shm_dir: str = "/dev/shm"
     keep_versions: int = 2
     zero_copy: bool = False
+    delta: bool = False
+    delta_base: str = "pinned"
+    delta_chunk_elems: int = 1 << 16
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -92,6 +100,16 @@ class TransportConfig:
                     "zero_copy reads the sender's tensors in place: no byte is in transit to checksum; "
                     "pass checksum=False with zero_copy=True"
                 )
+        if self.delta_base not in ("device", "pinned"):
+            raise ConfigError(f"delta_base must be 'device' or 'pinned', got {self.delta_base!r}")
+        if not isinstance(self.delta_chunk_elems, int) or not 8 <= self.delta_chunk_elems < 1 << 31 \
+                or self.delta_chunk_elems % 8:
+            raise ConfigError(f"delta_chunk_elems must be a multiple of 8 in [8, 2**31), got {self.delta_chunk_elems!r}")
+        if self.delta and (self.zero_copy or self.backend == "disk"):
+            raise ConfigError(
+                f"delta needs a buffered transport (gloo, nccl, shm, ipc without zero_copy), got "
+                f"backend={self.backend!r}, zero_copy={self.zero_copy}"
+            )
         if self.device is not None:
             kind = self.device.split(":")[0]
             if self.backend in ("nccl", "ipc") and kind != "cuda":

@@ -1,0 +1,301 @@
+"""Delta sync: what each side keeps as the base of the next update, and how a delta update is agreed.
+
+With ``TransportConfig(delta=True)``, ``WeightSender.send`` ships a tensor as its exact byte changes
+against the version the engines last committed (``transport/delta.py``) whenever it can:
+
+- **Sender** (:class:`DeltaSender`): keeps a copy of every tensor of the last update all engines of
+  its group committed, with that version and each receiver's fingerprint, on the tensors' own device
+  (``delta_base="device"``) or in host memory (``"pinned"``: page-locked when CUDA is available). Cost:
+  one copy of the sent weights (the wire dtype, e.g. bf16). A full update records the base as it
+  streams; a delta update first encodes every tensor (the manifest must carry encoded sizes before any
+  data), then sends, and on commit applies its own encodings to the base.
+- **Manifest**: the start header carries ``delta``: ``mode`` ('full': record the base; 'delta'),
+  ``base_version``, ``base_fingerprints`` (by receiver rank) and ``wire`` (encoded bytes per tensor).
+  The model manifest is the ordinary one (validated against the plan as usual); the buckets carry the
+  encodings, one uint8 tensor per tensor, so bucket layout, trailers and checksums are unchanged.
+- **Receiver** (:class:`ReceiverDeltaBase`): keeps a checkpoint-format host copy of every tensor of
+  the last committed update (cost: one copy of the sent weights in host memory per engine rank).
+  Before any write, a delta is checked against it: the base version must equal the engine's committed
+  version and the base fingerprint its fingerprint, else the start is refused with
+  :class:`~weight_sync.errors.DeltaBaseError` on every rank (the engine untouched), and the sender
+  falls back to a full update of the same weights on its own (rebuilt tensor by tensor from its base
+  and the encodings). A delta is decoded into the host copy and the full tensor goes through the
+  ordinary session: direct and processed layers, transactions, rollback and torn rules, fingerprints
+  are exactly those of a full update. An update that fails after decoding anything drops the base (the
+  next delta is refused, so the fallback full update re-establishes it).
+
+Limitations: ``send()`` only (the separate start/update/finish calls send full updates and drop the
+sender's base); not with zero-copy or disk; the engine still writes (and requantizes) every tensor of a
+delta - ``weight_sync.quant.delta`` (only the changed rows / tiles) is not wired into the session yet.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from weight_sync.errors import DeltaBaseError, ManifestError, TransportError
+from weight_sync.manifest import Manifest, TensorMeta
+from weight_sync.transport.delta import apply_delta_, delta_stats, encode_delta
+
+__all__ = [
+    "DELTA_BASES",
+    "DeltaSender",
+    "DeltaSession",
+    "ReceiverDeltaBase",
+    "is_delta_refusal",
+    "wire_manifest",
+]
+
+log = logging.getLogger(__name__)
+
+DELTA_BASES = ("device", "pinned")
+
+
+def wire_manifest(manifest: Manifest, wire_nbytes: list[int]) -> Manifest:
+    """The manifest the buckets are cut from in a delta update: each tensor as its uint8 encoding."""
+    if len(wire_nbytes) != len(manifest):
+        raise ManifestError(f"delta header lists {len(wire_nbytes)} encoded sizes for {len(manifest)} tensors")
+    return Manifest(tuple(TensorMeta(m.name, torch.uint8, (int(n),)) for m, n in zip(manifest, wire_nbytes)),
+                    version=manifest.version)
+
+
+def is_delta_refusal(error: BaseException) -> bool:
+    """Whether an agreed start failure is receivers refusing a delta's base (and nothing else)."""
+    failed = getattr(error, "statuses", None)
+    return bool(failed) and all(s.error_type == "DeltaBaseError" for s in failed)  # type: ignore[union-attr]
+
+
+def _same_layout(t: torch.Tensor | None, meta: TensorMeta) -> bool:
+    return t is not None and t.dtype == meta.dtype and tuple(t.shape) == tuple(meta.shape)
+
+
+class DeltaSender:
+    """The sender's base (last committed version of its engine group) and the delta ``send``."""
+
+    def __init__(self, *, base: str = "pinned", chunk_elems: int) -> None:
+        self.base_kind = base
+        self.chunk_elems = chunk_elems
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.version: Any = None  # None: no base every engine committed
+        self.fingerprints: list[str | None] = []
+        self.last_stats: dict[str, Any] = {}
+
+    @property
+    def nbytes(self) -> int:
+        """Memory the base holds (bytes)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def forget(self) -> None:
+        """No usable base any more (an update the base did not follow); the memory is kept for reuse."""
+        self.version = None
+
+    def _slot(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        slot = self.tensors.get(name)
+        if slot is None or slot.dtype != t.dtype or slot.shape != t.shape:
+            if self.base_kind == "device":
+                slot = torch.empty_like(t, memory_format=torch.contiguous_format)
+            else:
+                slot = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
+            self.tensors[name] = slot
+        return slot
+
+    def send(self, sender: Any, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+             manifest: Manifest | Iterable[TensorMeta], version: Any) -> Any:
+        """``WeightSender.send`` with delta: a delta on top of the committed base when there is one that
+        covers this manifest, a full update (recording the base) otherwise or when receivers refuse."""
+        if not isinstance(manifest, Manifest):
+            manifest = Manifest(tuple(manifest), version=version)
+        pairs = _pairs(named_tensors, manifest)
+        reason = self._unusable(manifest)
+        if reason is not None:
+            return self._send_full(sender, pairs, manifest, version, reason)
+        encodings, stats = self._encode(pairs, manifest)
+        info = {"mode": "delta", "base_version": self.version, "base_fingerprints": self.fingerprints,
+                "wire": [int(e.numel()) for e in encodings]}
+        try:
+            sender.start_weight_update(manifest, version, delta=info)
+        except TransportError as e:
+            if not is_delta_refusal(e):
+                raise
+            log.warning("[rank 0] delta update %r refused by the engines (%s); sending it in full", version, e)
+            return self._send_full(sender, self._rebuilt(encodings, manifest), manifest, version, str(e))
+        sender.update_weights(list(zip(manifest.names, encodings)))
+        report = sender.finish_weight_update()
+        # Every engine committed the delta: the base follows with the same bytes.
+        for name, enc in zip(manifest.names, encodings):
+            apply_delta_(self.tensors[name], enc)
+        self.version, self.fingerprints = report.version, list(report.fingerprints)
+        self.last_stats = dict(stats, mode="delta")
+        return replace(report, delta=self.last_stats)
+
+    def _unusable(self, manifest: Manifest) -> str | None:
+        if self.version is None:
+            return "no base committed by every engine yet"
+        if len(self.tensors) != len(manifest) or not all(_same_layout(self.tensors.get(m.name), m) for m in manifest):
+            return "the manifest differs from the base's tensors"
+        return None
+
+    def _encode(self, pairs: Iterator[tuple[str, torch.Tensor]], manifest: Manifest) -> tuple[list[torch.Tensor], dict[str, Any]]:
+        encodings: list[torch.Tensor] = []
+        changed = numel = 0
+        for meta in manifest:
+            name, t = next(pairs)
+            _check(name, t, meta)
+            enc = encode_delta(t, self.tensors[name], chunk_elems=self.chunk_elems)
+            s = delta_stats(enc, t.numel(), t.dtype)
+            changed, numel = changed + s.num_changed, numel + t.numel()
+            encodings.append(enc)
+        _expect_end(pairs, manifest)
+        wire = sum(e.numel() for e in encodings)
+        return encodings, {"num_changed": changed, "numel": numel, "changed_fraction": changed / max(numel, 1),
+                           "wire_bytes": wire, "plain_bytes": manifest.nbytes}
+
+    def _rebuilt(self, encodings: list[torch.Tensor], manifest: Manifest) -> Iterator[tuple[str, torch.Tensor]]:
+        """The new tensors again, one at a time, from the base and the encodings (for the fallback)."""
+        for name, enc in zip(manifest.names, encodings):
+            t = self.tensors[name].clone()
+            apply_delta_(t, enc)
+            yield name, t
+
+    def _send_full(self, sender: Any, pairs: Iterator[tuple[str, torch.Tensor]], manifest: Manifest,
+                   version: Any, reason: str) -> Any:
+        self.version = None  # the base is overwritten as the tensors stream: usable again only on commit
+        names = set(manifest.names)
+        for stale in [n for n in self.tensors if n not in names]:
+            del self.tensors[stale]
+
+        def recorded() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, t in pairs:
+                self._slot(name, t).copy_(t)
+                yield name, t
+
+        sender.start_weight_update(manifest, version, delta={"mode": "full"})
+        sender.update_weights(recorded())
+        report = sender.finish_weight_update()
+        self.version, self.fingerprints = report.version, list(report.fingerprints)
+        self.last_stats = {"mode": "full", "reason": reason, "wire_bytes": manifest.nbytes,
+                           "plain_bytes": manifest.nbytes}
+        return replace(report, delta=self.last_stats)
+
+
+def _pairs(named: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor], manifest: Manifest) -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(named, Mapping):
+        return ((m.name, named[m.name]) for m in manifest)
+    return iter(named)
+
+
+def _check(name: str, t: torch.Tensor, meta: TensorMeta) -> None:
+    if name != meta.name or not _same_layout(t, meta):
+        raise ManifestError(
+            f"delta send: expected {meta.name} {tuple(meta.shape)} {meta.dtype} next, got {name} "
+            f"{tuple(t.shape)} {t.dtype}"
+        )
+
+
+def _expect_end(pairs: Iterator[tuple[str, torch.Tensor]], manifest: Manifest) -> None:
+    extra = next(pairs, None)
+    if extra is not None:
+        raise ManifestError(f"delta send: the source yields {extra[0]!r} after the manifest's {len(manifest)} tensors")
+
+
+class ReceiverDeltaBase:
+    """An engine rank's base for deltas: a host copy of every tensor of its last committed update."""
+
+    def __init__(self, device: str | torch.device = "cpu") -> None:
+        self.device = torch.device(device)
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.version: Any = None
+        self.fingerprint: str | None = None
+        self.valid = False
+
+    def check(self, info: dict[str, Any], manifest: Manifest, rank: int, committed_version: Any,
+              committed_fingerprint: str | None) -> Manifest | None:
+        """Refuse a delta whose base is not this engine's committed state (raises before any write);
+        returns the wire manifest to cut the buckets from (None for a full update)."""
+        if info.get("mode") != "delta":
+            return None
+        base_version = info.get("base_version")
+        fps = info.get("base_fingerprints") or []
+        base_fp = fps[rank - 1] if len(fps) >= rank else None
+        problems = []
+        if not self.valid:
+            problems.append("no delta base is kept (no full update recorded it, or a later update failed)")
+        elif self.version != base_version:
+            problems.append(f"the kept base is version {self.version!r}")
+        if committed_version != base_version:
+            problems.append(f"the engine's committed version is {committed_version!r}")
+        if base_fp is not None and committed_fingerprint is not None and base_fp != committed_fingerprint:
+            problems.append(f"the engine's fingerprint is {committed_fingerprint[:16]}, the delta's base "
+                            f"{base_fp[:16]}")
+        missing = [m.name for m in manifest if not _same_layout(self.tensors.get(m.name), m)]
+        if self.valid and missing:
+            problems.append(f"the base lacks {len(missing)} tensor(s) of this layout, first {missing[0]!r}")
+        if problems:
+            raise DeltaBaseError(
+                f"[rank {rank}] delta update {manifest.version!r}: expected the engine at base version "
+                f"{base_version!r}; " + "; ".join(problems)
+            )
+        return wire_manifest(manifest, info.get("wire") or [])
+
+    def take(self, name: str, t: torch.Tensor, mode: str) -> torch.Tensor:
+        """The full tensor to load for what arrived as ``t``: a delta is applied to the base (and the
+        base returned), a full tensor is recorded into the base (and returned as it came)."""
+        if mode == "delta":
+            base = self.tensors[name]
+            apply_delta_(base, t)
+            return base
+        slot = self.tensors.get(name)
+        if slot is None or slot.dtype != t.dtype or slot.shape != t.shape:
+            slot = self.tensors[name] = torch.empty(t.shape, dtype=t.dtype, device=self.device)
+        slot.copy_(t)
+        return t
+
+    def commit(self, version: Any, fingerprint: str | None) -> None:
+        self.version, self.fingerprint, self.valid = version, fingerprint, True
+
+    def invalidate(self) -> None:
+        self.valid = False
+
+
+class DeltaSession:
+    """An update session seen through the delta base: loads decode first, commit and abort move the base.
+
+    Everything else (missing(), rollback, report, ...) is the wrapped session's.
+    """
+
+    def __init__(self, session: Any, base: ReceiverDeltaBase, mode: str) -> None:
+        object.__setattr__(self, "_inner", session)
+        object.__setattr__(self, "_base", base)
+        object.__setattr__(self, "_mode", mode)
+        object.__setattr__(self, "_dirty", False)  # whether the base was written by this update
+
+    def load(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> Any:
+        object.__setattr__(self, "_dirty", True)
+        if self._mode == "full":
+            self._base.invalidate()
+        return self._inner.load([(name, self._base.take(name, t, self._mode)) for name, t in tensors])
+
+    def finish(self) -> Any:
+        try:
+            report = self._inner.finish()
+        except BaseException:
+            self._base.invalidate()
+            raise
+        self._base.commit(report.version, getattr(report, "fingerprint", None))
+        return report
+
+    def abort(self, reason: str) -> Any:
+        if self._dirty:
+            self._base.invalidate()
+        return self._inner.abort(reason)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._inner, name, value)
