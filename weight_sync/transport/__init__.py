@@ -15,6 +15,11 @@ chosen by ``TransportConfig.backend``:
   shm and ipc signal READY / RELEASE per bucket over a Unix-socket doorbell, not collectives.
 - ``disk``: a safetensors directory per update, read back in block order through mmap.
 
+Route plans (:mod:`.routes`) say, for a sharded transfer, which trainer rank sends which region of
+which tensor to which engine rank: trainer ranks announce their holdings (DTensor placements, FSDP
+``Shard(0)``, whole tensors), engine ranks their needs (from their reload plan, or for the reference
+engine from its config), and :func:`plan_routes` intersects and validates them before any byte moves.
+
 Every bucket carries an on-device checksum compared end to end. ``TransportConfig.verify``: 'deferred'
 (default) compares trailers and checksums on the device while buckets keep flowing and reads the verdict
 once per ``update_weights`` call, before the status exchange (a bad bucket may already be loaded, but the
@@ -25,8 +30,9 @@ on any rank is agreed through a status exchange and raised on every rank.
 
 Limitations: one sender (rank 0) per transport; every receiver gets the full model (no resharding
 transfer: each engine rank shards what it receives); tensors must be produced in the manifest's block
-order; after a communication failure (dead peer, timeout) the transport is broken and must be connected
-again; ``ipc`` needs the receivers on the sender's physical GPU.
+order; route plans are computed and validated, but no backend moves regions yet (the sharded data
+plane is issue 17 part 2); after a communication failure (dead peer, timeout) the transport is broken
+and must be connected again; ``ipc`` needs the receivers on the sender's physical GPU.
 """
 
 from weight_sync.checksum import bucket_checksum, checksum_value
@@ -39,6 +45,31 @@ from weight_sync.transport.layout import (
     plan_buckets,
 )
 from weight_sync.transport.receiver import WeightReceiver
+from weight_sync.transport.routes import (
+    Holding,
+    Need,
+    NeedPiece,
+    Piece,
+    Route,
+    RoutePlan,
+    RoutePlanCache,
+    copy_routes,
+    layout_digest,
+    plan_routes,
+)
+from weight_sync.transport.routes_layouts import (
+    fsdp_holdings,
+    holdings_from_dtensors,
+    holdings_from_placements,
+    merge_needs,
+    needs_from_key_plans,
+    needs_from_model,
+    whole_holdings,
+)
+from weight_sync.transport.routes_reference import (
+    reference_checkpoint_metas,
+    reference_engine_needs,
+)
 from weight_sync.transport.sender import TransferReport, WeightSender
 from weight_sync.transport.status import AgreedChecksumError, AgreedManifestError, AgreedSourceError
 
@@ -51,6 +82,13 @@ __all__ = [
     "AgreedSourceError",
     "Bucket",
     "BucketLayout",
+    "Holding",
+    "Need",
+    "NeedPiece",
+    "Piece",
+    "Route",
+    "RoutePlan",
+    "RoutePlanCache",
     "Segment",
     "TransferReport",
     "TransportConfig",
@@ -59,5 +97,17 @@ __all__ = [
     "bucket_checksum",
     "check_block_order",
     "checksum_value",
+    "copy_routes",
+    "fsdp_holdings",
+    "holdings_from_dtensors",
+    "holdings_from_placements",
+    "layout_digest",
+    "merge_needs",
+    "needs_from_key_plans",
+    "needs_from_model",
     "plan_buckets",
+    "plan_routes",
+    "reference_checkpoint_metas",
+    "reference_engine_needs",
+    "whole_holdings",
 ]
