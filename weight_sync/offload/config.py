@@ -58,6 +58,10 @@ class OffloadConfig:
         (one shard each) and gather out of place into the slot, so the shard H2D no longer waits for the
         slot to be free (see ``weight_sync.offload.submitter``). Costs 2 x shard bytes of device memory.
         Requires ``dlo_use_allgather``; inert (nothing allocated) when the gather group has size 1.
+      ``update_host_budget_bytes``: the most host bytes a weight update may allocate to move this rank
+        off read-only mapped host weights (checkpoint mmap, runtime cache) into a private pinned arena
+        on its first update (``weight_sync.offload.update``). None (default): the host's MemAvailable at
+        that moment; 0: updates of mapped host weights are refused.
     """
 
     enable_distributed_layerwise_offload: bool = False
@@ -78,6 +82,7 @@ class OffloadConfig:
     trace: bool = False
     trace_capacity: int = 8192
     dlo_landing_buffers: bool = False
+    update_host_budget_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("data_parallel_size", "usp", "tensor_parallel_size"):
@@ -101,6 +106,9 @@ class OffloadConfig:
             raise ConfigError(
                 f"pin_in_place_budget_bytes must be >= 0 or None, got: {self.pin_in_place_budget_bytes!r}"
             )
+        b = self.update_host_budget_bytes
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 0):
+            raise ConfigError(f"update_host_budget_bytes must be an int >= 0 or None, got: {b!r}")
         if self.transfer_timeout_s <= 0:
             raise ConfigError(f"transfer_timeout_s must be > 0, got: {self.transfer_timeout_s!r}")
         if self.trace_capacity < 1:

@@ -35,6 +35,7 @@ from weight_sync.offload.pinned import InPlacePins, PinError, register_region
 from weight_sync.offload.plan import Topology, resolve_topology
 from weight_sync.offload.quantize import BlockQuantization, quantize_blocks
 from weight_sync.offload.streamer import BlockStreamer
+from weight_sync.offload.update import OffloadUpdater
 
 __all__ = [
     "OffloadHandle",
@@ -59,6 +60,7 @@ class OffloadHandle:
         self._metrics, self._trace = metrics, trace
         self.guard = guard  # None unless blocks stream with an active gather group
         self.enabled = True
+        self.updater = OffloadUpdater(self)  # weight updates into host storage (offload/update.py)
 
     @property
     def device(self) -> torch.device:
@@ -94,6 +96,7 @@ class OffloadHandle:
         """
         if not self.enabled:
             return
+        self.updater.remove()  # refuses while an update is open, before any collective
         if self.guard is not None:
             self.guard.agree("disable()", [])
             self.guard.remove()
@@ -115,6 +118,21 @@ class OffloadHandle:
         self.enabled = False
         if getattr(self.root, _HANDLE_ATTR, None) is self:
             delattr(self.root, _HANDLE_ATTR)
+
+    def fingerprint(self, module: nn.Module | None = None) -> str:
+        """``weight_sync.fingerprint`` of ``module`` (default: the offloaded root) as it serves now.
+
+        Equal to the fingerprint of the same module resident with the same weights: streamed blocks are
+        loaded one at a time into one device buffer (gathered, with AllGather: collective, every rank of
+        the gather group calls it) and checksummed there; everything else is checksummed where it is.
+        """
+        from weight_sync.offload.fingerprint import offload_fingerprint
+
+        if not self.enabled:
+            raise ConfigError("fingerprint(): this offload is disabled; use weight_sync.fingerprint(model)")
+        if self.guard is not None:
+            self.guard.agree("fingerprint()", [])
+        return offload_fingerprint(self, self.root if module is None else module)
 
     def __enter__(self) -> OffloadHandle:
         return self
@@ -356,6 +374,9 @@ def enable_layerwise_offload(
         gather=gather, shim=shim, metrics=metrics, trace=trace, guard=guard,
     )
     setattr(root, _HANDLE_ATTR, handle)
+    if streamer is not None:
+        # begin_update on the root or on any DiT that owns a ring writes host storage (offload/update.py).
+        handle.updater.install([root, *(get_submodule_path(root, p) for p in topology.owner_paths)])
     logger.info(
         "[rank %d] DLO on %s: %d streamed / %d resident blocks, %s host storage (%s), group %d, "
         "slot %.1f MB, landing buffers %.1f MB",

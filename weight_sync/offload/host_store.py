@@ -68,17 +68,22 @@ class PackedStore(HostStore):
     def __init__(
         self,
         layouts: Sequence[BlockLayout],
-        sources: Sequence[Sequence[torch.Tensor]],
+        sources: Sequence[Sequence[torch.Tensor]] | None,
         *,
         arena: torch.Tensor,
         region: PinnedRegion | None,
         alignment: int,
         shard: tuple[int, int] | None = None,
     ) -> None:
+        """``sources`` None: ``arena`` already holds every block packed at ``arena_plan``'s offsets."""
         super().__init__()
         self.arena, self.region = arena, region
         self.shard = shard
         self.offsets, self.sizes = self.arena_plan(layouts, alignment=alignment, shard=shard)
+        self.host_bytes = sum(self.sizes)
+        self.pinned_bytes = region.nbytes if region is not None else 0
+        if sources is None:
+            return
         # Pack through one scratch block: with sharding, only this rank's chunk of it is kept.
         scratch = None
         if shard is not None:
@@ -91,8 +96,6 @@ class PackedStore(HostStore):
                 rank, _ = shard
                 pack_block(lay, scratch[: lay.padded_bytes], srcs)
                 arena[off : off + size].copy_(scratch[rank * size : (rank + 1) * size])
-        self.host_bytes = sum(self.sizes)
-        self.pinned_bytes = region.nbytes if region is not None else 0
 
     @staticmethod
     def arena_plan(
@@ -107,6 +110,11 @@ class PackedStore(HostStore):
             sizes.append(size)
             end += size
         return offsets, sizes
+
+    def block_bytes(self, index: int) -> torch.Tensor:
+        """Block ``index``'s bytes in the arena (with AllGather: this rank's shard of it), as a view."""
+        off, size = self.offsets[index], self.sizes[index]
+        return self.arena[off : off + size]
 
     def copy_block(self, index: int, dst: torch.Tensor) -> int:
         off, size = self.offsets[index], self.sizes[index]

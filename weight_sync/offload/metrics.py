@@ -51,6 +51,9 @@ class OffloadMetrics:
     host_weights_source: str = ""  # "ordinary", "checkpoint_mmap", "runtime_cache"
     quantization: str = ""  # the quant-registry name the block linears were quantized with ("" = none)
     num_quantized_linears: int = 0
+    num_updates: int = 0  # weight updates committed into the offloaded model (weight_sync.offload.update)
+    num_storage_moves: int = 0  # read-only mapped host weights moved to a private arena by an update
+    update_scratch_peak_bytes: int = 0  # AllGather: most full-block scratch held at once by an update
     fallback_reasons: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:

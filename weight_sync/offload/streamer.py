@@ -91,6 +91,9 @@ class BlockStreamer:
         self._pending: dict[int, tuple[int, int]] = {}  # block -> (seq, slot) queued, not yet consumed
         self._running: dict[int, tuple[int, Any]] = {}  # block -> (slot, compute trace mark)
         self._hooks: list[Any] = []
+        # Called before every block forward (``weight_sync.offload.update`` sets it once the model has
+        # been updated: a forward during an open update, or on a torn model, is refused there).
+        self.before_block: Any = None
 
     @property
     def num_loads_issued(self) -> int:
@@ -112,6 +115,8 @@ class BlockStreamer:
         return seq, slot
 
     def _pre(self, index: int, module: nn.Module, args: Any) -> None:
+        if self.before_block is not None:
+            self.before_block()  # raises before anything is queued or re-pointed
         entry = self._pending.pop(index, None)
         if entry is None:
             # Not the block we prefetched: the stale load is simply never consumed; the copy stream's
@@ -152,6 +157,18 @@ class BlockStreamer:
         self._seq += 1
         self.submitter.submit(LoadJob(seq, index, dst, None))
         self.submitter.wait_submitted(seq)
+
+    def drain(self) -> None:
+        """Wait until every queued load is done and forget the prefetched ones (weights will change).
+
+        A prefetch queued by the last block of a forward holds the old bytes of the ring's next block;
+        the next forward must load that block again. Stale loads are never consumed, as after a
+        prefetch miss, and waiting for them here means no copy reads host storage while it is written.
+        """
+        if self._seq:
+            self.submitter.wait_submitted(self._seq - 1)
+        self.shim.synchronize()
+        self._pending.clear()
 
     def detach(self) -> None:
         for h in self._hooks:

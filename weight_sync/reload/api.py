@@ -10,8 +10,9 @@ session until ``finalize_layerwise_processing(model)`` commits it.
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -35,8 +36,39 @@ __all__ = [
     "initialize_layerwise_reload",
     "manifest_from_checkpoint",
     "record_metadata_for_reloading",
+    "register_update_hook",
     "reload_weights",
+    "unregister_update_hook",
 ]
+
+
+class UpdateHook(Protocol):
+    """Storage that is not the model's own tensors takes part in an update (DLO's host storage).
+
+    ``before_begin(model)`` runs before the session exists: it may present other tensors as the
+    model's kernel tensors (the session snapshots pointers after it) or raise to refuse the update
+    before anything is written. ``opened(session)`` runs once the session is open; ``closed(session)``
+    once it ended (finished or aborted; ``session`` None when it could not be opened).
+    """
+
+    def before_begin(self, model: nn.Module) -> None: ...
+    def opened(self, session: UpdateSession) -> None: ...
+    def closed(self, session: UpdateSession | None) -> None: ...
+
+
+_UPDATE_HOOKS: weakref.WeakKeyDictionary[nn.Module, list[UpdateHook]] = weakref.WeakKeyDictionary()
+
+
+def register_update_hook(model: nn.Module, hook: UpdateHook) -> None:
+    """Run ``hook`` around every update begun on ``model`` (see :class:`UpdateHook`)."""
+    _UPDATE_HOOKS.setdefault(model, []).append(hook)
+
+
+def unregister_update_hook(model: nn.Module, hook: UpdateHook) -> None:
+    """Stop running ``hook`` for ``model``'s updates (no-op if it was not registered)."""
+    hooks = _UPDATE_HOOKS.get(model, [])
+    if hook in hooks:
+        hooks.remove(hook)
 
 
 def record_metadata_for_reloading(model: nn.Module) -> None:
@@ -69,10 +101,24 @@ def begin_update(
     if manifest is not None and not isinstance(manifest, Manifest):
         manifest = Manifest(tuple(manifest), version=version)
     state = get_state(model, create=True)
-    return UpdateSession(
-        model, state, manifest=manifest, budget_bytes=budget_bytes, rollback=rollback,
-        version=version, allow_partial=allow_partial, compute_fingerprint=fingerprint,
-    )
+    hooks = list(_UPDATE_HOOKS.get(model, ()))
+    if state.active is not None:
+        hooks = []  # the session below refuses to open; the hooks must not touch the open one's storage
+    for hook in hooks:
+        hook.before_begin(model)
+    try:
+        session = UpdateSession(
+            model, state, manifest=manifest, budget_bytes=budget_bytes, rollback=rollback,
+            version=version, allow_partial=allow_partial, compute_fingerprint=fingerprint,
+        )
+    except BaseException:
+        for hook in hooks:
+            hook.closed(None)
+        raise
+    for hook in hooks:
+        hook.opened(session)
+        session.on_close(lambda hook=hook: hook.closed(session))  # type: ignore[misc]
+    return session
 
 
 def declare_loaded_layout(model: nn.Module, manifest: Manifest) -> list[str]:
