@@ -112,6 +112,10 @@ def _declare_processors(model: nn.Module, dtype: torch.dtype) -> None:
         mod.ws_processor = _process_with_quant_method  # type: ignore[assignment]
         if current_platform.is_cpu() and type(qm).__name__ in _READS_INPUT_ON_CPU:
             mod.ws_processor_reads_input = True  # type: ignore[assignment]
+    # Fused experts need more than their quant method on updates (see integrations/vllm/moe.py).
+    from weight_sync.integrations.vllm.moe import declare_fused_moe_processors
+
+    declare_fused_moe_processors(model)
 
 
 def _record(model: nn.Module, dtype: torch.dtype) -> None:
