@@ -1,4 +1,4 @@
-"""The fused Triton fp8 kernel under Triton's CPU interpreter against the torch path: the same bits.
+"""The Triton fp8 kernels (fused block/channel; absmax + cast per tensor) under Triton's CPU interpreter against the torch path: the same bits.
 
 ``TRITON_INTERPRET=1`` must be set before a kernel is decorated, and the decorated kernels are cached
 per process, so the kernels run in one child process for all cases; each test then compares one case
@@ -44,7 +44,7 @@ import numpy as np, torch
 import triton.language as tl
 from triton.runtime import interpreter
 from weight_sync.quant.fp8 import _EPS, FP8_MAX
-from weight_sync.quant.fp8_triton import quantize_fp8_fused, scale_cast_fp8
+from weight_sync.quant.fp8_triton import absmax_bits_fp8, quantize_fp8_fused, tensor_cast_fp8
 
 convert = interpreter.InterpreterBuilder.create_fp_to_fp
 def create_fp_to_fp(self, src, dst_type, rounding_mode):
@@ -59,8 +59,8 @@ np.seterr(invalid="ignore", divide="ignore")  # inf / inf and NaN lanes: expecte
 out = {}
 for name, c in torch.load(sys.argv[1]).items():
     w = c["w"]
-    if c["granularity"] == "tensor":
-        q, s = scale_cast_fp8(w, c["scale"], "tensor", c["block"], FP8_MAX), c["scale"]
+    if c["granularity"] == "tensor":  # absmax kernel, then the cast kernel computing the scale
+        q, s = tensor_cast_fp8(w, absmax_bits_fp8(w), FP8_MAX, _EPS)
     else:
         q, s = quantize_fp8_fused(w, c["granularity"], c["block"], FP8_MAX, _EPS)
     out[name] = {"q": q, "scale": s, "stride": w.stride()}
@@ -90,9 +90,6 @@ def _cases() -> dict[str, dict[str, Any]]:
     for granularity in ("block", "channel"):
         wide = special_weight((200, 700), torch.bfloat16, 101)
         cases[f"strided-{granularity}"] = {"w": wide[:, 100:400], "granularity": granularity, "block": (128, 128)}
-    for c in cases.values():
-        if c["granularity"] == "tensor":
-            c["scale"] = quantize_fp8(c["w"], Fp8Config(granularity="tensor"))[1]
     return cases
 
 

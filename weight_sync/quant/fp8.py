@@ -13,9 +13,11 @@ from torch import nn
 from weight_sync.errors import ConfigError
 from weight_sync.quant.base import layer_tensor
 from weight_sync.quant.fp8_triton import (
+    absmax_bits_fp8,
     fused_supported,
     quantize_fp8_fused,
     scale_cast_fp8,
+    tensor_cast_fp8,
     triton_available,
 )
 from weight_sync.quant.online import OnlineQuantLinearMethod, fitting_output, reduce_max
@@ -125,7 +127,8 @@ def quantize_fp8(
     of the weight. Every element sees the same operations as an unchunked quantization: bitwise equal.
     On CUDA with Triton the same arithmetic runs in Triton (``fp8_triton``), bitwise equal again (a NaN
     may differ in sign, which torch itself leaves unspecified): 'block' and 'channel' as one kernel that
-    reads the weight once, 'tensor' as one cast kernel after the global scale.
+    reads the weight once, 'tensor' as an absmax kernel (its result MAX-reduced over ``group``) and a
+    cast kernel that also computes the scale: two reads.
 
     ``out`` = (qweight, scale) tensors to write into, each used (and returned) only if it fits
     (:func:`~weight_sync.quant.online.fitting_output`); a reload passes the live kernel tensors.
@@ -140,6 +143,12 @@ def quantize_fp8(
         s_shape = (n,) if config.granularity == "channel" else _tile_grid(n, k, config.block_size)
         s_fit = s_out if fitting_output(s_out, w, s_shape, torch.float32) else None
         return quantize_fp8_fused(w, config.granularity, config.block_size, FP8_MAX, _EPS, out=(q_out, s_fit))
+    if fast and config.granularity == "tensor":
+        # Two reads of the weight (absmax, then cast), the scale computed inside the cast kernel: the
+        # torch path reads it three times (max, min, cast) and launches five more small kernels.
+        s_fit = s_out if fitting_output(s_out, w, (1,), torch.float32) else None
+        bits = reduce_max(absmax_bits_fp8(w), group)
+        return tensor_cast_fp8(w, bits, FP8_MAX, _EPS, out=(q_out, s_fit))
     if config.granularity == "tensor":
         scale = _scale(reduce_max(_absmax(w).reshape(1), group))
     elif config.granularity == "channel":

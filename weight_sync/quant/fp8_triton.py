@@ -1,14 +1,15 @@
-"""fp8 e4m3 quantization kernels in Triton: read the weight once, write fp8 once.
+"""fp8 e4m3 quantization kernels in Triton: read the weight from memory once (twice per tensor), write fp8 once.
 
 The torch formulation needs an fp32 intermediate and separate reductions for the scales (amax, amin,
 divide, clamp, cast: ~23 bytes of memory traffic per element plus two strided reads for the scales);
-during a live update of a large fp8 engine that pass, not the wire, set the pace. Two kernels:
+during a live update of a large fp8 engine that pass, not the wire, set the pace. The kernels:
 
 - ``quantize_fp8_fused`` ('block' and 'channel'): each program owns whole scale groups (one tile, or
-  a band of rows), loads them once, computes their absmax and scale in registers, writes the scale and
-  then the fp8 values.
-- ``scale_cast_fp8`` ('tensor', whose global scale needs a reduction first, possibly over a TP group):
-  the scale-clamp-cast pass alone.
+  a band of rows), reads them for their absmax and scale, writes the scale, then reads them again - from
+  L2, or from registers when a group fits one step - and writes the fp8 values.
+- ``absmax_bits_fp8`` + ``tensor_cast_fp8`` ('tensor', whose global scale needs a reduction first,
+  possibly over a TP group): one read for the absmax, then one kernel that computes the scale and casts.
+- ``scale_cast_fp8``: the scale-clamp-cast pass alone, for scales computed elsewhere.
 
 Both do the torch path's arithmetic per element - the weight widened to fp32, an IEEE round-to-nearest
 division by the fp32 scale, a NaN-propagating clamp to +-448, a round-to-nearest-even cast to e4m3 - so
@@ -25,15 +26,24 @@ from typing import Any
 
 import torch
 
-__all__ = ["fused_supported", "quantize_fp8_fused", "scale_cast_fp8", "triton_available"]
+__all__ = [
+    "absmax_bits_fp8",
+    "fused_supported",
+    "quantize_fp8_fused",
+    "scale_cast_fp8",
+    "tensor_cast_fp8",
+    "triton_available",
+]
 
-# Elements per program and loop step: a 128x128 tile. At 8 warps ptxas (sm_90a) gives the aligned bf16
-# and fp32 kernels ~90 registers, no spills: two programs per SM. No FMA contraction (enable_fp_fusion):
-# every float operation must round like torch's.
+# Launch shapes, tuned on an H200 over Qwen3-8B's linears (benchmarks/bench_quant.py; a bf16 -> fp8 cast
+# copy of the same bytes is the bound): a 128x128 tile read as two 128x64 column steps by 8 warps - the
+# absmax pass from HBM, the cast pass again from L2 - runs at 1.09x the bound, where the whole tile in
+# registers (one program per SM pair) ran at 1.53x; per-channel scales are fastest with one row per program
+# read in steps of 4096 columns by 4 warps (0.93x: the cast copy itself is not at peak). No FMA contraction
+# (enable_fp_fusion): every float operation must round like torch's.
 _TILE = 128 * 128
-# Row band and column step of 'channel' rows too long for one tile: read twice (the second time
-# mostly from L2), still one HBM pass.
-_LONG_ROWS, _LONG_STEP = 4, 4096
+_BLOCK_STEP = _TILE // 2  # elements per column step of a 'block' tile
+_ROW_STEP = 4096  # elements per program and column step of 'channel' rows
 
 
 @functools.cache
@@ -66,7 +76,7 @@ def _pow2(x: int) -> int:
 
 
 @functools.cache
-def _kernels() -> tuple[Any, Any]:
+def _kernels() -> tuple[Any, Any, Any, Any]:
     import triton
     import triton.language as tl
 
@@ -132,7 +142,63 @@ def _kernels() -> tuple[Any, Any]:
                 tl.store(q_rows + cols[None, :], x.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
                          mask=mask)
 
-    return scale_cast, fused
+    @triton.jit
+    def absmax_bits(w_ptr, out_ptr, n, k, stride_w, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        # max |w| of one tile as int32 bits (see `fused`: they order like the floats, NaN above inf),
+        # folded into the one result by an integer atomic max: one read of the weight, one launch.
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (rows[:, None] < n) & (cols[None, :] < k)
+        x = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_w + cols[None, :], mask=mask, other=0.0)
+        bits = tl.max(tl.max(x.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1), axis=0)
+        tl.atomic_max(out_ptr, bits)
+
+    @triton.jit
+    def tensor_cast(w_ptr, q_ptr, bits_ptr, s_ptr, n, k, stride_w, stride_q, eps_bits, fmax,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        # The per-tensor scale computed from the (group-reduced) absmax bits in every program - a scalar,
+        # cheaper than a launch of its own - and stored once; then scale, clamp, cast as `scale_cast`.
+        s = tl.math.div_rn(tl.maximum(tl.load(bits_ptr), eps_bits).to(tl.float32, bitcast=True), fmax)
+        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+            tl.store(s_ptr, s)
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (rows[:, None] < n) & (cols[None, :] < k)
+        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_w + cols[None, :], mask=mask, other=0.0)
+        x = tl.clamp(tl.math.div_rn(w.to(tl.float32), s), -fmax, fmax, propagate_nan=tl.PropagateNan.ALL)
+        q = x.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+        tl.store(q_ptr + rows[:, None].to(tl.int64) * stride_q + cols[None, :], q, mask=mask)
+
+    return scale_cast, fused, absmax_bits, tensor_cast
+
+
+def absmax_bits_fp8(w: torch.Tensor) -> torch.Tensor:
+    """max |w| of a non-empty 2-D weight (unit column stride) as the int32 bits of an fp32, shape (1,).
+
+    Integer bits so a TP group can MAX-reduce them as they are (non-negative floats order like their
+    bits; NaN, sign cleared, above inf: it propagates as torch's ``amax`` does). One read of ``w``.
+    """
+    n, k = w.shape
+    bits = torch.zeros(1, dtype=torch.int32, device=w.device)
+    with _launch_device(w):
+        _kernels()[2][(-(-n // 64), -(-k // 256))](w, bits, n, k, w.stride(0), BLOCK_M=64, BLOCK_N=256,
+                                                  num_warps=8)
+    return bits
+
+
+def tensor_cast_fp8(w: torch.Tensor, bits: torch.Tensor, fmax: float, eps: float,
+                    out: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 weight and fp32 scale (shape (1,)) of ``w`` from its absmax bits: ``clamp(absmax, eps) / fmax``
+    and ``clamp(w / scale, -fmax, fmax)`` in one kernel. ``out`` as in :func:`quantize_fp8_fused`."""
+    n, k = w.shape
+    q = out[0] if out[0] is not None else torch.empty((n, k), dtype=torch.float8_e4m3fn, device=w.device)
+    scale = out[1] if out[1] is not None else torch.empty(1, dtype=torch.float32, device=w.device)
+    with _launch_device(w):
+        _kernels()[3][(-(-n // 32), -(-k // 128))](w, q, bits, scale, n, k, w.stride(0), q.stride(0),
+                                                   _f32_bits(eps), fmax, BLOCK_M=32, BLOCK_N=128,
+                                                   enable_fp_fusion=False)
+    return q, scale
 
 
 def fused_supported(granularity: str, block_size: tuple[int, int]) -> bool:
@@ -156,16 +222,13 @@ def quantize_fp8_fused(w: torch.Tensor, granularity: str, block_size: tuple[int,
     n, k = w.shape
     if granularity == "channel":  # a group is a band of bm rows, each with its own scale
         per_row, group_cols, col_groups = True, k, 1
-        if _pow2(k) <= _TILE:
-            bk, bm = _pow2(k), min(_TILE // _pow2(k), _pow2(n))
-        else:
-            bk, bm = _LONG_STEP, _LONG_ROWS
-        group_rows = bm
+        bk = min(_pow2(k), _ROW_STEP)
+        bm = group_rows = max(1, min(_ROW_STEP // bk, _pow2(n)))
         scale = out[1] if out[1] is not None else torch.empty(n, dtype=torch.float32, device=w.device)
     else:
         per_row, (group_rows, group_cols) = False, block_size
         bm, col_groups = _pow2(group_rows), -(-k // group_cols)
-        bk = min(_pow2(group_cols), _TILE // bm)
+        bk = min(_pow2(group_cols), max(1, _BLOCK_STEP // bm))
         scale = out[1] if out[1] is not None else torch.empty(
             (-(-n // group_rows), col_groups), dtype=torch.float32, device=w.device)
     q = out[0] if out[0] is not None else torch.empty((n, k), dtype=torch.float8_e4m3fn, device=w.device)
@@ -174,7 +237,7 @@ def quantize_fp8_fused(w: torch.Tensor, granularity: str, block_size: tuple[int,
     with _launch_device(w):
         _kernels()[1][grid](w, q, scale, n, k, w.stride(0), q.stride(0), group_rows, group_cols, col_groups,
                             chunks, _f32_bits(eps), fmax, BM=bm, BK=bk, PER_ROW=per_row, ONE_PASS=chunks == 1,
-                            num_warps=8 if bm * bk >= _TILE // 2 else 4, enable_fp_fusion=False)
+                            num_warps=4 if per_row or bm * bk < _BLOCK_STEP else 8, enable_fp_fusion=False)
     return q, scale
 
 
