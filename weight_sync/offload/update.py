@@ -112,8 +112,10 @@ class _ShardScratch:
     def materialize(self, index: int) -> None:
         """Before block ``index``'s first write: its scratch shard holds this rank's current bytes, so
         what the update does not write (another tensor, padding) goes back into the arena unchanged."""
-        if index in self.open or index in self.written:
+        if index in self.open:
             return
+        # A block written back earlier in this update (a stream that came back to it) starts from what
+        # the arena holds now: its earlier writes are kept.
         self._shard(index).copy_(self.store.block_bytes(index))
         self.open.add(index)
         self.peak_bytes = max(self.peak_bytes, sum(self.layouts[i].padded_bytes for i in self.open))
@@ -123,8 +125,8 @@ class _ShardScratch:
         if index not in self.open:
             return
         dst = self.store.block_bytes(index)
-        if keep_previous:
-            self.saved[index] = dst.clone()
+        if keep_previous and index not in self.saved:
+            self.saved[index] = dst.clone()  # the bytes from before this update, for rollback
         dst.copy_(self._shard(index))
         self.written.add(index)
         self._release(index)
@@ -169,6 +171,7 @@ class OffloadUpdater:
         self._block_of: dict[str, int | None] = {}
         self._remaining: dict[int, int] = {}
         self._seen: set[str] = set()
+        self._by_order = False
 
     # -- registration --------------------------------------------------------------------------
     def install(self, modules: Iterable[nn.Module]) -> None:
@@ -240,6 +243,9 @@ class OffloadUpdater:
         session.compute_fingerprint = False
         self._seen = set()
         self._remaining = {}
+        # Without a key list a block counts as complete when the stream moves on to another block (block
+        # order is the transports' protocol); a key coming back to it later re-opens it from the arena.
+        self._by_order = session.expected is None
         for name in session.expected or ():
             b = self._block(name)
             if b is not None:
@@ -249,11 +255,18 @@ class OffloadUpdater:
         def load_tracked(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
             if type(named_tensors) in (list, tuple):
                 items = list(named_tensors)
+                blocks = {self._block(name) for name, _ in items}
+                if self._by_order and self._scratch is not None:
+                    for index in sorted(self._scratch.open - blocks):  # type: ignore[operator]
+                        self._scratch.write_back(index, keep_previous=session.rollback)
+                # Every block of the batch is materialized before the session writes any of it.
                 for name, _ in items:
-                    self._arriving(name)
+                    self._arriving(name, write_back_others=False)
                 load(named_tensors)
                 for name, _ in items:
                     self._arrived(name)
+                if items and self._by_order:
+                    self._write_back_except(self._block(items[-1][0]))
                 return
             load(self._tracked(named_tensors))
 
@@ -298,10 +311,20 @@ class OffloadUpdater:
             self._block_of[name] = found
         return self._block_of[name]
 
-    def _arriving(self, name: str) -> None:
+    def _arriving(self, name: str, *, write_back_others: bool = True) -> None:
+        """Before ``name`` is loaded (everything before it is): materialize its block."""
         b = self._block(name)
-        if b is not None and self._scratch is not None:
-            self._scratch.materialize(b)
+        if b is None or self._scratch is None:
+            return
+        if write_back_others and self._by_order:
+            self._write_back_except(b)
+        self._scratch.materialize(b)
+
+    def _write_back_except(self, keep: int | None) -> None:
+        assert self._scratch is not None and self.session is not None
+        for index in sorted(self._scratch.open):
+            if index != keep:
+                self._scratch.write_back(index, keep_previous=self.session.rollback)
 
     def _arrived(self, name: str) -> None:
         """``name`` has been loaded (its layer processed if it was the layer's last key)."""
