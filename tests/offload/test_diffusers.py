@@ -50,3 +50,20 @@ def test_tiny_flux_offloaded_is_bitwise_equal_to_resident_over_several_steps(dec
     assert m["num_streamed_blocks"] == (4 if declared else 2)
     assert m["num_block_loads"] == 3 * m["num_streamed_blocks"]
     assert torch.equal(pipe.denoise(inputs, 3), expected)  # after disable
+
+
+def test_reloading_weights_into_an_offloaded_tiny_flux_serves_exactly_a_fresh_resident_load() -> None:
+    import weight_sync
+
+    b = _FluxPipeline(tiny_flux_transformer(seed=3))
+    inputs = tiny_flux_inputs(seed=1)
+    expected = b.denoise(inputs, 2)
+    off = _FluxPipeline(tiny_flux_transformer(seed=0))
+    cfg = OffloadConfig(enable_distributed_layerwise_offload=True, dlo_use_allgather=False, device="cpu")
+    with enable_layerwise_offload(off, cfg) as handle:
+        assert not torch.equal(off.denoise(inputs, 2), expected)
+        weights = [(k, v.detach().clone()) for k, v in b.transformer.state_dict().items()]
+        report = weight_sync.reload_weights(off.transformer, weights_iterator=iter(weights))
+        assert torch.equal(off.denoise(inputs, 2), expected)
+        assert report.fingerprint == weight_sync.fingerprint(b.transformer)
+        assert handle.fingerprint(off.transformer) == report.fingerprint
