@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -9,6 +10,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from weight_sync.engine import ReferenceEngine
+from weight_sync.engine.parallel import TPInfo
 from weight_sync.transport.routes import copy_routes, plan_routes
 from weight_sync.transport.routes_layouts import (
     fsdp_holdings,
@@ -16,6 +18,22 @@ from weight_sync.transport.routes_layouts import (
     needs_from_model,
 )
 from weight_sync.transport.routes_reference import reference_checkpoint_metas
+
+
+@dataclass(frozen=True, slots=True)
+class FixedTP(TPInfo):
+    """One rank of a TP group of ``fixed_size`` without a process group: loaders only read size and rank."""
+
+    fixed_size: int = 1
+    fixed_rank: int = 0
+
+    @property
+    def size(self) -> int:
+        return self.fixed_size
+
+    @property
+    def rank(self) -> int:
+        return self.fixed_rank
 
 
 def engine_rank_applies_its_routes(rank: int, world: int, ckpt: str, expert_parallel: bool) -> dict[str, Any]:

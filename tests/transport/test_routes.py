@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.transport import _routes_ranks
+from tests.transport._routes_ranks import FixedTP
 from weight_sync.engine.config import ModelConfig
 from weight_sync.engine.model import CausalLM
-from weight_sync.engine.parallel import TPInfo
 from weight_sync.errors import ManifestError
 from weight_sync.manifest import TensorMeta
 from weight_sync.testing import hf_config, make_checkpoint, random_weights, run_distributed
@@ -36,23 +35,6 @@ from weight_sync.transport.routes_reference import (
     reference_checkpoint_metas,
     reference_engine_needs,
 )
-
-
-@dataclass(frozen=True, slots=True)
-class FixedTP(TPInfo):
-    """One rank of a TP group of ``fixed_size`` without a process group: loaders only read size and rank."""
-
-    fixed_size: int = 1
-    fixed_rank: int = 0
-
-    @property
-    def size(self) -> int:
-        return self.fixed_size
-
-    @property
-    def rank(self) -> int:
-        return self.fixed_rank
-
 
 # (arch, expert_parallel, config overrides): dense TP, KV heads replicated + padded vocab, MoE EP and TP,
 # a tied head (the engine ignores lm_head).

@@ -27,6 +27,7 @@ relative to the parameter's own storage offset, as the reload plan records them;
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -284,12 +285,39 @@ def _check_holding(h: Holding, problems: list[str]) -> dict[Box, list[int]] | No
     return boxes
 
 
-def _intersect(
-    h: Holding, boxes: dict[Box, list[int]], need: Need, problems: list[str]
-) -> _Template | None:
+class _Index:
+    """The distinct boxes of one holding pattern, searchable by bisection along the dimension that
+    splits them (a 1-D mesh's Shard(d): boxes equal except for disjoint ranges of dimension d)."""
+
+    __slots__ = ("boxes", "distinct", "split", "starts")
+
+    def __init__(self, boxes: dict[Box, list[int]]) -> None:
+        self.boxes = boxes
+        distinct = [b for b in boxes if _volume(b)]
+        self.split: int | None = None
+        if distinct:
+            ndim = len(distinct[0])
+            varying = [d for d in range(ndim) if len({b[d] for b in distinct}) > 1]
+            if len(varying) <= 1:
+                self.split = varying[0] if varying else 0
+                distinct.sort(key=lambda b: b[self.split][0])  # type: ignore[index]
+        self.distinct = distinct
+        self.starts = [b[self.split][0] for b in distinct] if self.split is not None else []
+
+    def candidates(self, box: Box) -> list[Box]:
+        """Distinct boxes that may overlap ``box`` (all of them when no dimension splits them)."""
+        if self.split is None:
+            return self.distinct
+        a, b = box[self.split]
+        # Disjoint ranges sorted by start: only the one starting before ``a`` and those up to ``b``.
+        lo = max(0, bisect.bisect_right(self.starts, a) - 1)
+        hi = bisect.bisect_left(self.starts, b)
+        return self.distinct[lo:hi]
+
+
+def _intersect(index: _Index, need: Need, problems: list[str]) -> _Template | None:
     """Per need piece, where its box comes from; None (problems appended) when it is not covered."""
     out = []
-    distinct = [b for b in boxes if _volume(b)]
     for np_ in need.pieces:
         if not _in_bounds(np_.box, need.shape):
             problems.append(f"{need.name}: engine rank {np_.rank} needs {fmt_box(np_.box)}, outside the "
@@ -301,11 +329,11 @@ def _intersect(
             return None
         parts = []
         covered = 0
-        for b in distinct:
+        for b in index.candidates(np_.box):
             o = _overlap(np_.box, b)
             if o is None:
                 continue
-            ranks = boxes[b]
+            ranks = index.boxes[b]
             # Replicas: spread engine ranks over them so that no replica sends everything.
             src = ranks[np_.rank % len(ranks)]
             local = tuple((lo - a, hi - a) for (lo, hi), (a, _) in zip(o, b))
@@ -372,26 +400,33 @@ def plan_routes(holdings: Iterable[Holding], needs: Iterable[Need]) -> RoutePlan
 
     # Memos keyed by the identity of piece tuples (kept alive in the memo, so ids are not reused):
     # announcers share one tuple between all tensors of a pattern, and hashing 256 pieces per
-    # tensor would dominate planning at scale.
-    checked: dict[int, tuple[tuple[Piece, ...], dict[Box, list[int]] | None]] = {}
-    templates: dict[tuple[int, int], tuple[object, object, _Template | None, dict]] = {}
+    # tensor would dominate planning at scale. Templates are keyed by the needed regions alone
+    # (rank, box), so that patterns differing only in destination offsets (expert e of every
+    # local slot) share one intersection.
+    checked: dict[int, tuple[tuple[Piece, ...], _Index | None]] = {}
+    regions: dict[int, tuple[tuple[NeedPiece, ...], tuple]] = {}
+    templates: dict[tuple[int, tuple], tuple[_Template | None, dict]] = {}
     entries: list[_Entry] = []
     for n in needs:
         h = by_name[n.name]
         hk = id(h.pieces)
         if hk not in checked:
-            checked[hk] = (h.pieces, _check_holding(h, problems))
-        boxes = checked[hk][1]
-        if boxes is None:
+            boxes = _check_holding(h, problems)
+            checked[hk] = (h.pieces, None if boxes is None else _Index(boxes))
+        index = checked[hk][1]
+        if index is None:
             # Report the inconsistency once per pattern, under the first tensor that has it.
             continue
-        key = (hk, id(n.pieces))
+        nk = id(n.pieces)
+        if nk not in regions:
+            regions[nk] = (n.pieces, tuple((p.rank, p.box) for p in n.pieces))
+        key = (hk, regions[nk][1])
         hit = templates.get(key)
         if hit is None:
-            t = _intersect(h, boxes, n, problems)
-            hit = templates[key] = (h.pieces, n.pieces, t, {} if t is None else _links(t, n))
-        if hit[2] is not None:
-            entries.append(_Entry(need=n, holding=h, template=hit[2], links=hit[3]))
+            t = _intersect(index, n, problems)
+            hit = templates[key] = (t, {} if t is None else _links(t, n))
+        if hit[0] is not None:
+            entries.append(_Entry(need=n, holding=h, template=hit[0], links=hit[1]))
     _raise(problems, "inconsistent layouts")
 
     needed = {n.name for n in needs}
