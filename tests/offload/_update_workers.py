@@ -72,8 +72,9 @@ def allgather_update(rank: int, world: int, dit: dict[str, Any], rollback: bool)
     a = _weights(_pipe(dit, 1))
     try:
         reload_weights(pipe.transformer, weights_iterator=_failing(a, 30), rollback=rollback)
+        result["source_error"] = False
     except SourceError:
-        pass
+        result["source_error"] = True
     result["torn"] = torn_reason(pipe.transformer) is not None
     try:
         result["equal_after_failure"] = torch.equal(_out(pipe, rank), expected)

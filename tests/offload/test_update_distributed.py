@@ -22,6 +22,7 @@ def test_allgather_dp2_ranks_write_only_their_shard_and_serve_exactly_a_fresh_lo
         assert before == after == r["host_bytes_end"]
         assert before * 2 <= r["block_bytes"] + 2 * 4 * 1024
         assert 0 < r["scratch_peak"] <= r["largest_block"]
+        assert r["source_error"]
         if rollback:
             assert not r["torn"] and r["equal_after_failure"] is True
         else:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from weight_sync.errors import ConfigError
 from weight_sync.offload.config import OffloadConfig, add_offload_args, config_from_args
 
 if TYPE_CHECKING:
@@ -136,6 +137,14 @@ def _run(args: argparse.Namespace) -> int:
         "dtype": args.dtype, "batch": args.batch, "tokens": args.tokens, "steps": args.steps,
         "seed": args.seed, "verify": args.verify, "checkpoint": None,
     }
+    if args.rl:
+        from weight_sync.offload.rl_demo import run_rl_demo
+
+        if config.dlo_enable_runtime_cache or args.checkpoint or args.quantization or args.dtype != "float32":
+            raise ConfigError("--rl trains a float32 policy held by the trainer: it takes no --checkpoint, "
+                              "--dlo-enable-runtime-cache, --quantization or --dtype")
+        opts.update(rl_steps=args.rl_steps, lr=args.rl_lr, eval_seed=args.seed + 10_000)
+        return run_rl_demo(config, opts, png=Path(args.rl_png), timeout_s=args.timeout)
     if args.checkpoint is not None or config.dlo_enable_runtime_cache:
         from weight_sync.offload.demo_checkpoint import default_checkpoint_dir, ensure_checkpoint
 
@@ -201,6 +210,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--verify", action="store_true",
                    help="also run the resident model (quantized the same way with --quantization); "
                    "exit 1 unless outputs are bitwise equal")
+    p.add_argument("--rl", action="store_true",
+                   help="diffusion RL: a trainer improves the policy each step and syncs it over gloo into "
+                        "an engine serving it under DLO; checks each served output against a fresh resident "
+                        "load (weight_sync.offload.rl_demo)")
+    p.add_argument("--rl-steps", type=int, default=8, help="--rl: optimizer steps (one weight sync each)")
+    p.add_argument("--rl-lr", type=float, default=3e-3, help="--rl: Adam learning rate")
+    p.add_argument("--rl-png", default="offload_rl_reward.png", metavar="PATH",
+                   help="--rl: where the reward curve is written")
     p.add_argument("--trace", default=None, metavar="PATH", help="write the block timeline as JSON")
     p.add_argument("--timeout", type=float, default=600.0, help="multi-rank timeout in seconds")
     p.set_defaults(func=_run)
