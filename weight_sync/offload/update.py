@@ -215,6 +215,14 @@ class OffloadUpdater:
                 f"update {self.session.version!r} is open on this offloaded model (begun on another of "
                 "its modules); finish or abort it first"
             )
+        if h.config.quantization is not None:
+            # The reload plan would see the kernel-format (quantized) tensors as the model format and
+            # "update" them with a cast; refuse instead of serving that.
+            raise ConfigError(
+                f"updating an offload quantized with {h.config.quantization!r} is not supported yet: "
+                "requantizing the streamed blocks on update is open (issue 19.3); offload without "
+                "quantization= to update it"
+            )
         h.streamer.drain()
         store = self._private_store()
         if store.shard is None:
