@@ -15,7 +15,7 @@ def _run(args: argparse.Namespace) -> int:
     config = DemoConfig(
         steps=args.steps, quantization=None if args.quantization == "none" else args.quantization,
         seed=args.seed, out_dir=Path(args.out), verify=not args.no_verify, lr=args.lr,
-        transport=args.transport, workers=args.workers, zero_copy=args.zero_copy,
+        transport=args.transport, workers=args.workers, zero_copy=args.zero_copy, delta=args.delta,
     )
     results = run_demo(config)
     first, last = results[0].reward, max(r.reward for r in results[-3:])
@@ -48,6 +48,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=int, default=1, help="engine worker processes (transports other than inproc)")
     p.add_argument("--zero-copy", action="store_true",
                    help="ipc/shm: engines copy straight from the trainer's parameters (exported once), no buffers")
+    p.add_argument("--delta", action="store_true",
+                   help="send only the bytes that changed since the engines' last committed version (bf16 on "
+                        "the wire; falls back to a full update when an engine refuses the base)")
     p.set_defaults(func=_run)
 
 

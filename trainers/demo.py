@@ -53,6 +53,9 @@ class DemoConfig:
     workers: int = 1
     bucket_bytes: int = 1 << 20
     zero_copy: bool = False
+    # Delta sync: each step ships only the bytes that changed since the engines' last committed version
+    # (weights travel as bf16, the engines' dtype, so an element changes only when its bf16 value does).
+    delta: bool = False
 
     def __post_init__(self) -> None:
         for name in ("steps", "prompts_per_step", "samples_per_prompt", "new_tokens"):
@@ -64,6 +67,9 @@ class DemoConfig:
             raise ValueError(f"workers must be >= 1 (exactly 1 with transport 'inproc'), got {self.workers}")
         if self.zero_copy and self.transport not in ("ipc", "shm"):
             raise ValueError(f"zero_copy needs transport 'ipc' or 'shm', got {self.transport!r}")
+        if self.delta and (self.transport == "inproc" or self.zero_copy):
+            raise ValueError(f"delta needs a buffered transport to engine processes, got transport "
+                             f"{self.transport!r}, zero_copy={self.zero_copy}")
         if self.samples_per_prompt < 2:
             raise ValueError("samples_per_prompt must be >= 2 (advantages are relative within a group)")
 
@@ -75,13 +81,16 @@ class StepResult:
     sync_s: float
     sync_bytes: int
     fingerprint_match: bool | None
+    sync_mode: str | None = None  # delta sync: 'delta', or 'full' (first step, refused base)
 
 
-def trainer_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF-named parameters of a transformers causal LM, complete blocks in forward order."""
+def trainer_weights(model: torch.nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named parameters of a transformers causal LM, complete blocks in forward order (cast to
+    ``dtype`` when given)."""
     params = dict(model.named_parameters())
     for name in order_by_block(params, reference_order=list(params)):
-        yield name, params[name].detach()
+        t = params[name].detach()
+        yield name, t if dtype is None else t.to(dtype)
 
 
 def _target_ids(chars: str) -> torch.Tensor:
@@ -125,7 +134,7 @@ def run_demo(config: DemoConfig) -> list[StepResult]:
         engine = ReferenceEngine.from_checkpoint(ckpt, dtype=torch.bfloat16, quantization=config.quantization)
     else:
         workers, sender = _start_workers(config, ckpt)
-    manifest = Manifest.from_named_tensors(trainer_weights(trainer))
+    manifest = Manifest.from_named_tensors(trainer_weights(trainer, _wire_dtype(config)))
     targets = _target_ids(config.target_chars)
     gen = torch.Generator().manual_seed(config.seed)
     results: list[StepResult] = []
@@ -149,6 +158,10 @@ def run_demo(config: DemoConfig) -> list[StepResult]:
     return results
 
 
+def _wire_dtype(config: DemoConfig) -> torch.dtype | None:
+    return torch.bfloat16 if config.delta else None
+
+
 def _start_workers(config: DemoConfig, ckpt: Path):
     """Engine worker processes (one RolloutWorker each) connected to a sender in this process."""
     from trainers.remote import EngineProcesses
@@ -165,7 +178,8 @@ def _start_workers(config: DemoConfig, ckpt: Path):
         # zero_copy: engines read the trainer's parameters in place (no buffers, no checksums).
         sender = WeightSender(TransportConfig(backend=config.transport, bucket_bytes=config.bucket_bytes,
                                               timeout_s=120, zero_copy=config.zero_copy,
-                                              checksum=not config.zero_copy), num_receivers=config.workers)
+                                              checksum=not config.zero_copy, delta=config.delta),
+                               num_receivers=config.workers)
         workers.submit_each("init_weight_transfer_engine",
                             [({"address": sender.address, "rank": i + 1},) for i in range(config.workers)])
         sender.connect()
@@ -193,13 +207,13 @@ def _sync(config: DemoConfig, trainer, engine, workers, sender, manifest: Manife
         with engine.begin_update(manifest, version=step + 1) as session:
             session.load(trainer_weights(trainer))
         report = engine.last_report = session.report
-        return report.num_bytes, [report.fingerprint]
+        return report.num_bytes, [report.fingerprint], None
     workers.submit("receive_update")
     try:
-        report = sender.send(trainer_weights(trainer), manifest, version=step + 1)
+        report = sender.send(trainer_weights(trainer, _wire_dtype(config)), manifest, version=step + 1)
     finally:
         workers.collect()
-    return report.num_bytes, report.fingerprints
+    return report.num_bytes, report.fingerprints, report.delta.get("mode")
 
 
 def _loop(config, trainer, opt, engine, workers, sender, manifest, targets, gen, ckpt, scratch) -> list[StepResult]:
@@ -220,17 +234,18 @@ def _loop(config, trainer, opt, engine, workers, sender, manifest, targets, gen,
         loss.backward()
         opt.step()
         t0 = time.perf_counter()
-        num_bytes, fingerprints = _sync(config, trainer, engine, workers, sender, manifest, step)
+        num_bytes, fingerprints, mode = _sync(config, trainer, engine, workers, sender, manifest, step)
         sync_s = time.perf_counter() - t0
         match = None
         if config.verify:
             device = "cpu" if workers is None else workers.devices[0]
             expected = _fresh_fingerprint(trainer, ckpt, scratch, config.quantization, device)
             match = all(fp == expected for fp in fingerprints)
-        res = StepResult(step + 1, float(rewards.mean()), sync_s, num_bytes, match)
+        res = StepResult(step + 1, float(rewards.mean()), sync_s, num_bytes, match, mode)
         results.append(res)
         print(f"step {res.step:3d}  reward {res.reward:.3f}  sync {res.sync_s * 1e3:7.1f} ms  "
-              f"{res.sync_bytes / 1e6:5.2f} MB  fingerprint match: {res.fingerprint_match}")
+              f"{res.sync_bytes / 1e6:5.2f} MB  fingerprint match: {res.fingerprint_match}"
+              + (f"  ({mode})" if mode else ""))
     return results
 
 

@@ -265,7 +265,8 @@ class ReceiverDeltaBase:
 class DeltaSession:
     """An update session seen through the delta base: loads decode first, commit and abort move the base.
 
-    Everything else (missing(), rollback, report, ...) is the wrapped session's.
+    Both finishes move the base: ``finish()`` and the two-phase ``prepare()`` + ``commit()``. Everything
+    else (missing(), rollback, report, ...) is the wrapped session's.
     """
 
     def __init__(self, session: Any, base: ReceiverDeltaBase, mode: str) -> None:
@@ -281,8 +282,22 @@ class DeltaSession:
         return self._inner.load([(name, self._base.take(name, t, self._mode)) for name, t in tensors])
 
     def finish(self) -> Any:
+        return self._committed(self._inner.finish)
+
+    def prepare(self) -> Any:
+        """The two-phase finish's first half (everything that can fail); the base moves only on commit."""
         try:
-            report = self._inner.finish()
+            return self._inner.prepare()
+        except BaseException:
+            self._base.invalidate()
+            raise
+
+    def commit(self) -> Any:
+        return self._committed(self._inner.commit)
+
+    def _committed(self, step: Any) -> Any:
+        try:
+            report = step()
         except BaseException:
             self._base.invalidate()
             raise

@@ -1,0 +1,175 @@
+"""Delta sync vs a full sync in the same run: changed fraction, wire bytes and sync time over gloo (CPU).
+
+Method. A trainer process (rank 0) holds a transformers model (fp32 master weights) built from a
+``make_checkpoint`` preset; an engine process (rank 1) holds a reference engine of the same checkpoint
+(bf16, or ``--quantization``). Weights travel as bf16. Scenarios, each a pair of bf16 versions (a, b):
+
+- ``adam lr=X``: b is a after one Adam step (random-token LM loss) at lr 1e-6 and 1e-5;
+- ``synthetic d``: b is a with a random fraction d (0.5%, 2%, 10%) of every tensor's elements changed.
+
+Per scenario the engine first gets a in full; then each repeat sends b and a alternately as deltas
+(``TransportConfig(delta=True)``: every delta moves the same changed fraction) and, as the baseline,
+the same versions as full updates (the sender's base dropped first, so ``send`` goes full). Times are
+``send()`` start to the engines' agreed commit (``TransferReport.seconds``), median over repeats;
+every delta's engine fingerprint is checked equal to the full update's of the same version.
+
+Usage: ``python benchmarks/bench_delta.py [--preset small] [--repeats 3] [--quantization fp8_block]``.
+Results: ``benchmarks/results/delta_<tag>.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import RESULTS, environment
+from weight_sync.manifest import Manifest
+from weight_sync.testing import make_checkpoint, run_distributed
+
+DENSITIES = (0.005, 0.02, 0.10)
+LRS = (1e-6, 1e-5)
+
+
+def _bf16(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    from trainers.demo import trainer_weights
+
+    return {n: t.clone() for n, t in trainer_weights(model, torch.bfloat16)}
+
+
+def _scenarios(ckpt: str, seed: int) -> list[tuple[str, dict[str, torch.Tensor], dict[str, torch.Tensor]]]:
+    from transformers import AutoModelForCausalLM
+
+    out = []
+    for lr in LRS:
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+        opt = torch.optim.Adam(model.parameters(), lr=lr)
+        tokens = torch.randint(model.config.vocab_size, (4, 64), generator=torch.Generator().manual_seed(seed))
+        # Two steps: the second is a typical RL step (Adam's first step moves every weight by ~lr).
+        for _ in range(2):
+            a = _bf16(model)
+            model(tokens, labels=tokens).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        out.append((f"adam lr={lr:g}", a, _bf16(model)))
+    base = out[0][1]
+    g = torch.Generator().manual_seed(seed + 1)
+    for d in DENSITIES:
+        b = {}
+        for n, t in base.items():
+            t = t.clone()
+            mask = torch.rand(t.shape, generator=g) < d
+            t[mask] = (t.float() + 1e-2 + t.float().abs() * 0.1).to(t.dtype)[mask]  # moves every masked bf16 value
+            b[n] = t
+        out.append((f"synthetic {d:.1%}", base, b))
+    return out
+
+
+def bench_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
+    from tests.transport.harness import connect_pair
+
+    end, _engine, _ = connect_pair(rank, world, "gloo", spec["ckpt"], quantization=spec["quantization"],
+                                  bucket_bytes=spec["bucket_bytes"], timeout_s=300.0, tp=False,
+                                  config={"delta": True})
+    scenarios = _scenarios(spec["ckpt"], spec["seed"]) if rank == 0 else None
+    n = spec["num_scenarios"]
+    repeats = spec["repeats"]
+    if rank != 0:
+        fps = [end.receive_update().fingerprint for _ in range(n * (1 + 4 * repeats))]
+        end.close()
+        return {"fingerprints": fps}
+    assert scenarios is not None and len(scenarios) == n
+    rows = []
+    version = 0
+    for name, a, b in scenarios:
+        manifest = Manifest.from_named_tensors(a.items())
+        version += 1
+        end.send(a.items(), manifest, version=version)
+        delta_s, full_s, stats, fp_pairs = [], [], [], []
+        for _ in range(repeats):
+            for w in (b, a):
+                version += 1
+                rep = end.send(w.items(), manifest, version=version)
+                assert rep.delta["mode"] == "delta", rep.delta
+                delta_s.append(rep.seconds)
+                stats.append((rep.delta, rep.num_bytes))
+                version += 1
+                end._delta.forget()  # the baseline: the same version as a full update
+                full = end.send(w.items(), manifest, version=version)
+                assert full.delta["mode"] == "full"
+                full_s.append(full.seconds)
+                fp_pairs.append((rep.fingerprints, full.fingerprints))
+        d, wire = stats[0]
+        rows.append({
+            "scenario": name, "changed_fraction": d["changed_fraction"], "wire_bytes": wire,
+            "full_bytes": d["plain_bytes"], "wire_ratio": wire / d["plain_bytes"],
+            "delta_s": statistics.median(delta_s), "full_s": statistics.median(full_s),
+            "time_ratio": statistics.median(delta_s) / statistics.median(full_s),
+            "fingerprints_equal": all(x == y for x, y in fp_pairs),
+        })
+    end.close()
+    return {"rows": rows, "num_tensors": len(scenarios[0][1])}
+
+
+def _markdown(result: dict[str, Any]) -> str:
+    env = result["environment"]
+    lines = [
+        f"# Delta sync vs full sync, CPU over gloo ({result['preset']}, engine {result['quantization'] or 'bf16'})",
+        "",
+        f"{env['date']}; {env['cpu']} ({env['cpu_count']} cores); torch {env['torch']}, Python {env['python']}.",
+        f"Command: `{env['command']}`. Model: {result['num_tensors']} tensors, {result['full_bytes'] / 1e6:.1f} MB "
+        f"in bf16; {result['repeats']} repeats x 2 directions, median; bucket {result['bucket_bytes'] >> 20} MiB.",
+        "Time: `send()` to the engines' agreed commit, full sync of the same version measured in the same run.",
+        "",
+        "| scenario | changed | wire bytes | wire / full | delta s | full s | time delta / full | engine equal |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"| {r['scenario']} | {r['changed_fraction']:.2%} | {r['wire_bytes'] / 1e6:.2f} MB | "
+            f"{r['wire_ratio']:.3f} | {r['delta_s']:.3f} | {r['full_s']:.3f} | {r['time_ratio']:.2f}x | "
+            f"{r['fingerprints_equal']} |"
+        )
+    lines += ["", "Engine equal: every delta's engine fingerprint equals the full update's of the same weights.", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="small", help="make_checkpoint preset (tiny, small, ...)")
+    p.add_argument("--quantization", default=None, help="the engine's quantization (default: bf16)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--bucket-mib", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tag", default="cpu")
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="ws-bench-delta-") as tmp:
+        ckpt = make_checkpoint(Path(tmp) / "ckpt", preset=args.preset, seed=args.seed, dtype=torch.float32)
+        spec = {"ckpt": str(ckpt), "quantization": args.quantization, "repeats": args.repeats,
+                "bucket_bytes": args.bucket_mib << 20, "seed": args.seed,
+                "num_scenarios": len(LRS) + len(DENSITIES)}
+        out = run_distributed(bench_rank, 2, spec, timeout_s=3600)
+    rows = out[0]["rows"]
+    result = {"environment": environment(), "preset": args.preset, "quantization": args.quantization,
+              "repeats": args.repeats, "bucket_bytes": args.bucket_mib << 20, "num_tensors": out[0]["num_tensors"],
+              "full_bytes": rows[0]["full_bytes"], "rows": rows}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    stem = RESULTS / f"delta_{args.tag}"
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    md = _markdown(result)
+    stem.with_suffix(".md").write_text(md)
+    print(md)
+    return 0 if all(r["fingerprints_equal"] for r in result["rows"]) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
