@@ -202,7 +202,7 @@ def bench_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
             if device.type == "cuda":
                 transient = torch.cuda.max_memory_allocated(device) - base
                 buffers = 0 if backend == "ipc" or spec.get("zero_copy") else spec["num_buffers"] * (bucket + TRAILER_BYTES)
-                staging = 0 if receiver._staging is None else receiver._staging.numel()
+                staging = receiver.staging_bytes
                 row.update(extra_engine_bytes=buffers + staging + transient, engine_buffers=buffers,
                            engine_staging=staging, engine_transient=transient)
             row["engine_peak_buffered_bytes"] = report.peak_buffered_bytes

@@ -35,8 +35,9 @@ from weight_sync.errors import (
     PointerChangedError,
     UpdateStateError,
 )
-from weight_sync.layers.tensors import signatures, verify_signatures
+from weight_sync.layers.tensors import signatures
 from weight_sync.manifest import Manifest, TensorMeta
+from weight_sync.reload.audit import take_baseline, verify_baseline
 from weight_sync.reload.borrow import lend_batch, lend_single, lenders
 from weight_sync.reload.plan import CopyOp, KeyPlan, Plan
 from weight_sync.reload.processing import Lend, OpenLayer, storage_uses
@@ -92,6 +93,7 @@ class UpdateSession(UnitLayers):
             state.plan = Plan()
         self.plan: Plan = state.plan
         self._status = "open"
+        self._prepared: tuple[list[str], str | None] | None = None  # (missing, fingerprint) once prepared
         self.report: UpdateReport | None = None  # set by finish()
         self._arrived: set[str] = set()
         self._open: dict[str, OpenLayer] = {}
@@ -136,7 +138,9 @@ class UpdateSession(UnitLayers):
         else:
             self.expected = frozenset(state.reference.names) if state.reference is not None else None
             self._announced = None
-        self._before = signatures(model)
+        # The audit's baseline: the one walk of the model per update (finish re-checks it by index).
+        self._baseline = take_baseline(model)
+        self._before = self._baseline.signatures
         if state.last_signatures != self._before:
             state.views.clear()  # something moved since the last update: cached views may be stale
         self._views = state.views
@@ -383,7 +387,16 @@ class UpdateSession(UnitLayers):
 
     def finish(self) -> UpdateReport:
         """Commit: check completeness, process what is pending, verify pointers, run hooks, report."""
+        self.prepare()
+        return self.commit()
+
+    def prepare(self) -> None:
+        """The part of :meth:`finish` that can fail: completeness, pending processing, hooks, pointer audit
+        (and the fingerprint). On failure the session is aborted; after success only :meth:`commit`
+        (bookkeeping that cannot fail) or :meth:`abort` remain, so ranks can agree before any commits."""
         self._require_open()
+        if self._prepared is not None:
+            return
         try:
             missing = self.missing()
             if missing and not self.allow_partial:
@@ -409,19 +422,35 @@ class UpdateSession(UnitLayers):
             t1 = time.perf_counter()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            before = self._before
-            if self._first_processed:
-                fresh = tuple(f"{i.name}." if i.name else "" for i in self._first_processed)
-                before = {k: v for k, v in before.items() if not k.startswith(fresh)}
+            # Layers processed for the first time have new kernel tensors by design: not audited.
+            fresh = tuple(f"{i.name}." if i.name else "" for i in self._first_processed)
             try:
-                verify_signatures(self.model, before)
+                verify_baseline(self.model, self._baseline, fresh)
             except PointerChangedError:
                 self.state.views.clear()
                 raise
             t2 = time.perf_counter()
+            fp = fingerprint(self.model) if self.compute_fingerprint else None
         except BaseException as e:
             self._fail(e)
             raise
+        self._seconds["hooks"] = t1 - t0
+        self._seconds["verify"] = t2 - t1
+        self._prepared = (missing, fp)
+
+    def prepared_summary(self) -> dict[str, Any]:
+        """What a prepared update will report (version, fingerprint, tensors, bytes, peak staging, seconds)."""
+        assert self._prepared is not None
+        return {"version": self.version, "fingerprint": self._prepared[1], "num_tensors": len(self._arrived),
+                "num_bytes": self._num_bytes, "peak_buffered_bytes": self._peak,
+                "seconds": time.perf_counter() - self._t0}
+
+    def commit(self) -> UpdateReport:
+        """Make a prepared update the model's state and return its report."""
+        self._require_open()
+        if self._prepared is None:
+            raise UpdateStateError(f"update {self.version!r}: commit() needs a successful prepare() first")
+        missing, fp = self._prepared
         # Partial means "not every tensor of the reference layout": a subset manifest that fully arrived
         # is still partial, so it never becomes the reference and heals only the layers it rewrote.
         partial = bool(missing) or bool(self._lacking_from_reference())
@@ -449,9 +478,6 @@ class UpdateSession(UnitLayers):
                           if n in self._arrived)
                 )
             self.state.version = self.version
-        self._seconds["hooks"] = t1 - t0
-        self._seconds["verify"] = t2 - t1
-        fp = fingerprint(self.model) if self.compute_fingerprint else None
         self._seconds["total"] = time.perf_counter() - self._t0
         processed = set(self._processed_done)
         self.report = UpdateReport(
@@ -511,6 +537,8 @@ class UpdateSession(UnitLayers):
         """End the session as ``status``: the model is free for the next update; close callbacks run."""
         self._status = status
         self.state.active = None
+        self._baseline.edges.clear()  # it references the tensors replaced by first processing: let them go
+        self._baseline.places.clear()
         self._report_buffering()
         callbacks, self._on_close = self._on_close, []
         for fn in callbacks:

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -184,6 +185,14 @@ class Channel:
         self._groups: list[Any] = [group]
         self._on_fail: list[Callable[[], None]] = []
         self._inline = torch.zeros(INLINE_BYTES, dtype=torch.uint8)
+        self._inline_np = self._inline.numpy()
+        # The status all-gather's slots, allocated once and written / read through numpy views: encoding
+        # and decoding through fresh tensors cost more host time than the collective's own latency.
+        self._status_mine = torch.zeros(STATUS_SLOT_BYTES, dtype=torch.uint8)
+        self._status_out = [torch.zeros(STATUS_SLOT_BYTES, dtype=torch.uint8) for _ in range(size)]
+        self._status_np = self._status_mine.numpy()
+        self._status_out_np = [t.numpy() for t in self._status_out]
+        self._status_len = 0  # bytes of the last record written into ``_status_mine``
         # Host waits of this rank, for benchmarks and tests: 'comm' (a collective's completion), 'device'
         # (an event on a CUDA stream), 'readback' (a device->host read of values), 'link' (a doorbell
         # record), 'control' (a header or status exchange), 'blocked' (waits that found the operation
@@ -317,7 +326,7 @@ class Channel:
             first = payload[:room]
             head[:8].view(torch.int64)[0] = len(payload)
             if first:
-                head[8 : 8 + len(first)] = torch.frombuffer(bytearray(first), dtype=torch.uint8)
+                self._inline_np[8 : 8 + len(first)] = np.frombuffer(first, dtype=np.uint8)
         self.count("control")
         w = self.guard(phase, lambda: self.group.broadcast([head], opts))
         self.wait(w, phase, timeout_s, gloo=True)
@@ -337,19 +346,24 @@ class Channel:
             rest = bytes(body.numpy().tobytes())
         if self.rank == 0:
             return payload  # type: ignore[return-value]
-        return bytes(head[8 : 8 + min(n, room)].numpy().tobytes()) + rest
+        return self._inline_np[8 : 8 + min(n, room)].tobytes() + rest
 
     def exchange_status(self, status: RankStatus) -> list[RankStatus]:
         """All-gather every rank's status record; every rank returns the same list, ordered by rank."""
         phase = f"status exchange after {status.phase}"
-        mine = torch.zeros(STATUS_SLOT_BYTES, dtype=torch.uint8)
         raw = status.to_bytes()
-        mine[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-        out = [torch.empty(STATUS_SLOT_BYTES, dtype=torch.uint8) for _ in range(self.size)]
+        n = len(raw)
+        mine = self._status_np
+        mine[:n] = np.frombuffer(raw, dtype=np.uint8)
+        if self._status_len > n:
+            mine[n : self._status_len] = 0  # a record ends at its first NUL byte
+        self._status_len = n
+        out = self._status_out
         self.count("control")
-        w = self.guard(phase, lambda: self.group.allgather([out], [mine]))
+        w = self.guard(phase, lambda: self.group.allgather([out], [self._status_mine]))
         self.wait(w, phase, gloo=True)
-        return [RankStatus.from_bytes(bytes(t.numpy().tobytes()), r) for r, t in enumerate(out)]
+        # from_bytes copies what it keeps: the slots are reused by the next exchange.
+        return [RankStatus.from_bytes(a.tobytes(), r) for r, a in enumerate(self._status_out_np)]
 
     def allreduce_max(self, values: torch.Tensor, phase: str) -> Any:
         """Start an all-reduce MAX of a small int64 CPU tensor; returns the work (wait with ``wait``)."""

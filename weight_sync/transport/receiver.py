@@ -40,15 +40,16 @@ from weight_sync.transport.buffers import (
 )
 from weight_sync.transport.checks import BucketChecks
 from weight_sync.transport.config import VERIFY_MODES
+from weight_sync.transport.consumer import BucketConsumer
+from weight_sync.transport.delta_sync import DeltaSession, ReceiverDeltaBase, is_delta_refusal
 from weight_sync.transport.disk import DiskReader
 from weight_sync.transport.doorbell import Link, connect_doorbell
 from weight_sync.transport.group import Channel, Deadline, join_store, make_group, poll, warm_up
-from weight_sync.transport.layout import Bucket, BucketLayout, LayoutCache
+from weight_sync.transport.layout import LayoutCache
 from weight_sync.transport.liveness import Heartbeat
 from weight_sync.transport.planes import BroadcastReceiverPlane, SharedReceiverPlane
 from weight_sync.transport.status import raise_agreed, status_of
 from weight_sync.transport.wire import (
-    STATUS_ABORT,
     TRAILER_BYTES,
     ControlHeader,
     Hello,
@@ -123,7 +124,7 @@ class WeightReceiver:
         self._channel: Channel | None = None
         self._plane: BroadcastReceiverPlane | SharedReceiverPlane | None = None
         self._buffers: list[torch.Tensor] = []
-        self._staging: torch.Tensor | None = None
+        self._consumer: BucketConsumer | None = None  # the bucket loop (not with zero-copy), set at connect
         # Each bucket's trailer and checksum, recorded on the device and read back per call; set at connect.
         self._checks: BucketChecks | None = None
         self._layouts: LayoutCache | None = None  # bucket layouts by call, set at connect
@@ -134,6 +135,8 @@ class WeightReceiver:
         self._disk: DiskReader | None = None
         self._heartbeat: Heartbeat | None = None
         self._stats_at_start: dict[str, int] = {}
+        # Delta sync: a host copy of the last committed update, made once a sender asks for it.
+        self._delta_base: ReceiverDeltaBase | None = None
 
     # ------------------------------------------------------------------ connection
     def connect(self) -> WireParams | None:
@@ -230,6 +233,9 @@ class WeightReceiver:
             except Exception as e:
                 error = error or e
             self._plane = SharedReceiverPlane(self._channel, self._link, self._buffers, self.shim, events)
+        if self._plane is not None and self._zc is None:
+            self._consumer = BucketConsumer(self.rank, self._plane, self._buffers, self._checks, device,
+                                            params.verify == "deferred", bool(self.session_options["rollback"]))
         statuses = self._channel.exchange_status(status_of(self.rank, "connect", error))
         raise_agreed(statuses, "connect", params.world_size, local=error)
         # From here on the sender can tell this rank's death (or SIGSTOP) from a slow peer, and name it.
@@ -379,12 +385,26 @@ class WeightReceiver:
             manifest = Manifest(cached.tensors, version=header.version)
         if self._session is not None:
             self._abort_session("a new update started before the previous one finished")
+        wire = None
+        if header.delta is None and self._delta_base is not None:
+            self._delta_base.invalidate()  # an update the base does not follow
+        elif header.delta is not None and error is None:
+            # Refused before any write unless the delta's base is exactly this engine's committed state.
+            self._delta_base = self._delta_base or ReceiverDeltaBase()
+            fingerprint = getattr(self.last_report, "fingerprint", None)
+            try:
+                wire = self._delta_base.check(header.delta, Manifest(manifest.tensors, version=header.version),
+                                              self.rank, self.weight_version, fingerprint)
+            except Exception as e:
+                error = e
         if error is None:
             try:
                 self._session = self._begin(manifest, header.version)
+                if header.delta is not None and self._delta_base is not None:
+                    self._session = DeltaSession(self._session, self._delta_base, header.delta.get("mode", "full"))
             except Exception as e:
                 error = e
-        self._manifest = manifest
+        self._manifest = wire or manifest
         self._version = header.version
         self._state = "open" if self._session is not None else "idle"
         statuses = self._channel.exchange_status(status_of(self.rank, "start_weight_update", error))
@@ -447,65 +467,8 @@ class WeightReceiver:
                    f"{layout.num_buckets}; sender and receiver run different weight_sync versions")
             self._channel.fail(msg)
             raise TransportError(msg)
-        sizes = [b.payload_bytes + TRAILER_BYTES for b in layout.buckets]
-        deferred = self.params.verify == "deferred"
-        # Whether the host waits (with the deadline) for each bucket to arrive before queueing its work.
-        # Deferred: no, the compute stream waits on the device. Except with rollback on CUDA: the session
-        # snapshots a layer with a blocking device->host copy before its first write, and that copy must
-        # never sit behind a receive (or a peer's packing) that may never complete.
-        host_wait = not deferred or (self.buffer_device.type == "cuda" and bool(self.session_options["rollback"]))
-        assert self._checks is not None
-        judge = self._checks
-        device = self._buffers[0].device if self._buffers else self.buffer_device
-        checks = judge.table(layout.num_buckets, device)
-
-        self._plane.begin_call(sizes, header.seq, header.call)
-        nb = len(self._buffers)
-        aborted = False
-        loaded = 0
-        recorded = 0  # buckets whose checks are in the table (deferred)
-        for k, bucket in enumerate(layout.buckets):
-            i = k % nb
-            # deferred: the compute stream waits for bucket k on the device and the host goes on; the
-            # receive of bucket k+1 (k+n-1) is already posted, so it lands while bucket k is loaded.
-            plane_status = self._plane.wait(k, i, host=host_wait)
-            if error is None and not aborted:
-                try:
-                    if plane_status == STATUS_ABORT:
-                        aborted = True  # the sender gave up (told out of band); its status says why
-                    elif deferred:
-                        # Trailer and checksum land in row k on the device, before release() lets the
-                        # buffer be overwritten; they are judged once, after the last bucket.
-                        judge.record(bucket, self._buffers[i], checks[k])
-                        recorded = k + 1
-                        loaded += self._consume(bucket, self._buffers[i], layout)
-                    else:
-                        judge.record(bucket, self._buffers[i], checks[0])
-                        vals = judge.readback(checks[:1], f"update_weights: checks of bucket {k}")[0]
-                        if judge.judge(vals, bucket, k, header, layout.metas, self._version, loaded=False):
-                            loaded += self._consume(bucket, self._buffers[i], layout)
-                        else:
-                            aborted = True
-                except Exception as e:
-                    error = e
-                    log.error("[rank %d] update %r: bucket %d: %s", self.rank, self._version, k, e)
-            self._plane.release(k, i, failed=error is not None)
-        self._plane.end_call()
-        if recorded:
-            # The one device->host read of the call. The first bad bucket in order decides, as if it had
-            # been checked before its load: a trailer or checksum failure, or the sender's ABORT, at or
-            # before the bucket where loading failed replaces that load error (it is the root cause, and
-            # checked first, that load would not have happened).
-            rows = judge.readback(checks[:recorded], "update_weights: checks of the call's buckets")
-            try:
-                for k, vals in enumerate(rows):
-                    bucket = layout.buckets[k]
-                    if not judge.judge(vals, bucket, k, header, layout.metas, self._version, loaded=True):
-                        aborted, error = True, None
-                        break
-            except Exception as e:
-                error = e
-                log.error("[rank %d] update %r: %s", self.rank, self._version, e)
+        assert self._consumer is not None  # set at connect (every backend but zero-copy and disk)
+        loaded, error = self._consumer.consume_call(header, layout, self._session, self._version, error)
         statuses = self._channel.exchange_status(status_of(self.rank, "update_weights", error))
         raise_agreed(statuses, "update_weights", self._channel.size, local=error)
         return loaded
@@ -533,33 +496,6 @@ class WeightReceiver:
         raise_agreed(statuses, "update_weights", self._channel.size, local=error)
         return loaded
 
-    def _consume(self, bucket: Bucket, buf: torch.Tensor, layout: BucketLayout) -> int:
-        """Hand the bucket's complete tensors to the session (which copies them out before returning)."""
-        batch: list[tuple[str, torch.Tensor]] = []
-        count = 0
-        for seg in bucket.segments:
-            meta = layout.metas[seg.index]
-            if seg.nbytes == meta.nbytes:
-                raw = buf[seg.bucket_offset : seg.bucket_offset + seg.nbytes]
-                batch.append((meta.name, raw.view(meta.dtype).view(meta.shape)))
-                continue
-            # A tensor split across buckets is reassembled in one staging tensor (allocated once at
-            # the largest split size, then reused).
-            if self._staging is None or self._staging.numel() < meta.nbytes:
-                self._staging = torch.empty(layout.max_split_bytes, dtype=torch.uint8, device=buf.device)
-            self._staging[seg.tensor_offset : seg.tensor_offset + seg.nbytes].copy_(
-                buf[seg.bucket_offset : seg.bucket_offset + seg.nbytes]
-            )
-            if seg.tensor_offset + seg.nbytes == meta.nbytes:
-                # Load now: a later segment of this bucket may start the next split tensor in staging.
-                batch.append((meta.name, self._staging[: meta.nbytes].view(meta.dtype).view(meta.shape)))
-                self._session.load(batch)
-                count += len(batch)
-                batch = []
-        if batch:
-            self._session.load(batch)
-        return count + len(batch)
-
     def finish_weight_update(self) -> Any:
         """Commit the update (after every rank agreed that it is complete); returns the UpdateReport."""
         self._require("open")
@@ -572,6 +508,13 @@ class WeightReceiver:
         return self._handle(self._header("finish_weight_update"), "finish")
 
     def _on_finish(self, error: BaseException | None) -> Any:
+        """Prepare the commit, agree on it in one exchange, then commit (or abort) on every rank alike.
+
+        One round trip, two phases: everything of ``finish`` that can fail (completeness, pending
+        processing, hooks, the pointer audit, the fingerprint) runs before the exchange, and only
+        bookkeeping that cannot fail runs after it. So no rank commits while another fails, and the
+        report travels in the same record as the vote.
+        """
         assert self._channel is not None
         size = self._channel.size
         session = self._session
@@ -586,25 +529,19 @@ class WeightReceiver:
                     f"[rank {self.rank}] {len(missing)} announced tensor(s) never arrived: {missing[:5]}",
                     tuple(missing),
                 )
-        statuses = self._channel.exchange_status(status_of(self.rank, "finish_weight_update: check", error))
+        summary: dict[str, Any] = {}
+        if error is None:
+            try:
+                session.prepare()  # a failure aborts the session (rolled back or torn)
+                summary = {"rank": self.rank, **session.prepared_summary(), "transport": self.transport_stats()}
+            except Exception as e:
+                error = e
+        statuses = self._channel.exchange_status(status_of(self.rank, "finish_weight_update", error, summary))
+        # Any failure, here or elsewhere: _handle aborts this rank's session (a no-op if prepare did).
         raise_agreed(statuses, "finish_weight_update", size, local=error)
-        report = None
-        try:
-            self._session = None
-            self._state = "idle"
-            report = session.finish()
-        except Exception as e:
-            error = e
-        summary = {} if report is None else {
-            "rank": self.rank, "version": report.version, "fingerprint": report.fingerprint,
-            "num_tensors": report.num_tensors, "num_bytes": report.num_bytes,
-            "peak_buffered_bytes": report.peak_buffered_bytes, "seconds": report.seconds.get("total"),
-            "transport": self.transport_stats(),
-        }
-        statuses = self._channel.exchange_status(
-            status_of(self.rank, "finish_weight_update: commit", error, summary)
-        )
-        raise_agreed(statuses, "finish_weight_update", size, local=error)
+        self._session = None
+        self._state = "idle"
+        report = session.commit()
         self._committed(report)
         return report
 
@@ -614,6 +551,12 @@ class WeightReceiver:
         if self._channel is None:
             return {}
         return {k: v - self._stats_at_start.get(k, 0) for k, v in self._channel.stats.items()}
+
+    @property
+    def staging_bytes(self) -> int:
+        """Bytes of the staging tensor that reassembles tensors split across buckets (0 if none yet)."""
+        staging = None if self._consumer is None else self._consumer.staging
+        return 0 if staging is None else staging.numel()
 
     @property
     def zero_copy_regions(self) -> int:
@@ -627,8 +570,16 @@ class WeightReceiver:
             self.target.last_report = report
 
     def receive_update(self, timeout_s: float | None = None) -> Any:
-        """Run one whole update (start, every call, finish) as the sender drives it; returns the report."""
-        self.start_weight_update(timeout_s)
+        """Run one whole update (start, every call, finish) as the sender drives it; returns the report.
+
+        A delta refused for its base is followed by the sender's full update at once: that one is run."""
+        try:
+            self.start_weight_update(timeout_s)
+        except TransportError as e:
+            if not is_delta_refusal(e):
+                raise
+            log.info("[rank %d] delta refused (%s); receiving the sender's full update", self.rank, e)
+            self.start_weight_update(timeout_s)
         if self._disk is not None:
             self.update_weights()
             return self.finish_weight_update()
@@ -654,10 +605,10 @@ class WeightReceiver:
             self._link.close()
             self._link = None
         self._checks = None  # its device intermediates go with the buffers
+        self._consumer = None  # its views of the buffers and its staging go with them
         self._buffers = []  # drops the single import of each IPC buffer (its reference is released)
         if self._zc is not None:
             self._zc.close()  # zero-copy: releases every import of the sender's storages
-        self._staging = None
         if self._channel is not None:
             self._channel.close()
         self._channel = None

@@ -37,6 +37,7 @@ from weight_sync.transport.buffers import (
     unlink_shm_buffers,
 )
 from weight_sync.transport.config import ALIGN_BYTES, TransportConfig
+from weight_sync.transport.delta_sync import DeltaSender, wire_manifest
 from weight_sync.transport.disk import DiskWriter
 from weight_sync.transport.doorbell import DoorbellServer, Link
 from weight_sync.transport.group import Channel, host_store, make_group, warm_up
@@ -84,6 +85,8 @@ class TransferReport:
     host_waits: dict[str, int] = field(default_factory=dict)
     """The sender's host waits during the update, by kind (see ``Channel.stats``); each receiver's are in
     ``receivers[i]['transport']``."""
+    delta: dict[str, Any] = field(default_factory=dict)
+    """Delta sync: 'mode' ('delta' or 'full' and why), changed elements, wire and plain bytes."""
 
     @property
     def gbps(self) -> float:
@@ -134,6 +137,8 @@ class WeightSender:
         self._zc_event: Any = None  # zero-copy ipc: recorded once the call's tensors are produced
         self._stats_at_start: dict[str, int] = {}
         self._disk: DiskWriter | None = None
+        # Delta sync: the base (last version every receiver committed) and the delta send.
+        self._delta = DeltaSender(base=config.delta_base, chunk_elems=config.delta_chunk_elems) if config.delta else None
         self._store = None
         self.device = torch.device("cpu")
         self.shim = device_shim("cpu")
@@ -287,15 +292,20 @@ class WeightSender:
                 "closed its transport)"
             ) from e
 
-    def start_weight_update(self, manifest: Manifest | Iterable[TensorMeta], version: Any = None) -> Manifest:
+    def start_weight_update(self, manifest: Manifest | Iterable[TensorMeta], version: Any = None, *,
+                            delta: dict[str, Any] | None = None) -> Manifest:
         """Announce an update: the manifest goes first and every receiver validates it against its model
         before anything is written. The manifest must be in block order (see ``check_block_order``);
-        tensors must then be produced in its order. Returns the manifest as sent (checksums dropped)."""
+        tensors must then be produced in its order. Returns the manifest as sent (checksums dropped).
+        ``delta`` is delta sync's start record (``transport/delta_sync.py``), not for direct use."""
         with self._naming_the_unresponsive():
-            return self._start_weight_update(manifest, version)
+            return self._start_weight_update(manifest, version, delta)
 
-    def _start_weight_update(self, manifest: Manifest | Iterable[TensorMeta], version: Any) -> Manifest:
+    def _start_weight_update(self, manifest: Manifest | Iterable[TensorMeta], version: Any,
+                             delta: dict[str, Any] | None = None) -> Manifest:
         self._require("idle")
+        if self._delta is not None and delta is None:
+            self._delta.forget()  # an update outside send(): the base no longer follows the engines
         if not isinstance(manifest, Manifest):
             manifest = Manifest(tuple(manifest), version=version)
         version = version if version is not None else (manifest.version if manifest.version is not None else self._seq + 1)
@@ -330,9 +340,11 @@ class WeightSender:
         if self._seq > 1:
             self._store.delete_key(f"{PREFIX}/start/{self._seq - 1}")
         if reuse is not None:
-            header = ControlHeader(kind="start", seq=self._seq, version=version, reuse_manifest_of=reuse[2])
+            header = ControlHeader(kind="start", seq=self._seq, version=version, reuse_manifest_of=reuse[2],
+                                   delta=delta)
         else:
-            header = ControlHeader(kind="start", seq=self._seq, version=version, manifest=manifest.to_json())
+            header = ControlHeader(kind="start", seq=self._seq, version=version, manifest=manifest.to_json(),
+                                   delta=delta)
         self._channel.broadcast_bytes(header.to_json().encode(), "start_weight_update")
         statuses = self._channel.exchange_status(RankStatus(rank=0, ok=True, phase="start_weight_update"))
         self._state = "open"
@@ -344,6 +356,9 @@ class WeightSender:
             raise
         if reuse is None:
             self._agreed_manifest = (given, manifest, self._seq)
+        if delta is not None and delta.get("mode") == "delta":
+            # The buckets carry each tensor's encoding: they are cut from the encoded sizes.
+            self._manifest = wire_manifest(manifest, delta["wire"])
         return manifest
 
     def _call_metas(self, names: Iterable[str] | None) -> tuple[int, int]:
@@ -518,9 +533,8 @@ class WeightSender:
         header = ControlHeader(kind="finish", seq=self._seq, zero_copy=self._zc.control() if self._zc else None)
         self._channel.broadcast_bytes(header.to_json().encode(), "finish_weight_update")
         self._state = "idle"
-        statuses = self._channel.exchange_status(RankStatus(rank=0, ok=True, phase="finish_weight_update: check"))
-        raise_agreed(statuses, "finish_weight_update", self.world_size)
-        statuses = self._channel.exchange_status(RankStatus(rank=0, ok=True, phase="finish_weight_update: commit"))
+        # One exchange: receivers prepared (every check that can fail) before it and commit after it.
+        statuses = self._channel.exchange_status(RankStatus(rank=0, ok=True, phase="finish_weight_update"))
         raise_agreed(statuses, "finish_weight_update", self.world_size)
         if self.config.backend == "ipc":
             torch.cuda.ipc_collect()  # free exports whose importers are gone; our buffers stay referenced
@@ -541,7 +555,12 @@ class WeightSender:
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
              manifest: Manifest | Iterable[TensorMeta], version: Any = None) -> TransferReport:
-        """``start_weight_update`` + one ``update_weights`` + ``finish_weight_update``."""
+        """``start_weight_update`` + one ``update_weights`` + ``finish_weight_update``.
+
+        With ``TransportConfig(delta=True)``: a delta on the engines' committed base when possible,
+        falling back to a full update on its own (``transport/delta_sync.py``)."""
+        if self._delta is not None:
+            return self._delta.send(self, named_tensors, manifest, version)
         self.start_weight_update(manifest, version)
         self.update_weights(named_tensors)
         return self.finish_weight_update()

@@ -148,6 +148,8 @@ class ControlHeader:
     receivers release, any kind), ``reset`` (release every region), and for a call ``regions`` (new
     exports) and ``table`` ([region id, byte offset] per tensor; None when the sender failed to
     produce the call's tensors).
+    delta (start, delta sync): ``mode`` ('full' records the receivers' delta base, 'delta' applies on
+    it), ``base_version``, ``base_fingerprints`` and ``wire`` (see ``transport/delta_sync.py``).
     """
 
     kind: str
@@ -160,6 +162,7 @@ class ControlHeader:
     count: int = 0
     num_buckets: int = 0
     zero_copy: dict[str, Any] | None = None
+    delta: dict[str, Any] | None = None
     protocol: int = PROTOCOL_VERSION
 
     KINDS = ("start", "call", "finish", "close")
@@ -190,19 +193,25 @@ class RankStatus:
     report: dict[str, Any] = field(default_factory=dict)
     protocol: int = PROTOCOL_VERSION
 
+    def _fields(self) -> dict[str, Any]:
+        # Not ``asdict``: it deep-copies the report, and a status is encoded several times per update.
+        return {"rank": self.rank, "ok": self.ok, "phase": self.phase, "error_type": self.error_type,
+                "message": self.message, "report": self.report, "protocol": self.protocol}
+
     def to_bytes(self) -> bytes:
-        raw = json.dumps(asdict(self), default=str).encode()
+        raw = json.dumps(self._fields(), default=str).encode()
         if len(raw) <= STATUS_SLOT_BYTES:
             return raw
         # Keep the record valid JSON: shorten the message (then drop the report) until it fits.
         msg = self.message or ""
         short = RankStatus(rank=self.rank, ok=self.ok, phase=self.phase, error_type=self.error_type,
                            message=msg[: STATUS_SLOT_BYTES // 2] + " ...(truncated)", report={})
-        return json.dumps(asdict(short), default=str).encode()[:STATUS_SLOT_BYTES]
+        return json.dumps(short._fields(), default=str).encode()[:STATUS_SLOT_BYTES]
 
     @classmethod
     def from_bytes(cls, raw: bytes, rank_hint: int) -> RankStatus:
-        raw = raw.rstrip(b"\x00")
+        end = raw.find(b"\x00")  # a record is its JSON, then NUL padding to the slot's end
+        raw = raw if end < 0 else raw[:end]
         if not raw:
             return cls(rank=rank_hint, ok=False, phase="?", error_type="TransportError",
                        message=f"rank {rank_hint} sent an empty status record")

@@ -1,0 +1,112 @@
+"""Pointer audit of an update: one walk of the model at begin, an indexed re-check at finish.
+
+The audit's promise (DESIGN decision 7): after an update every graph-visible tensor that existed before it
+keeps its data_ptr, shape, dtype, stride and device. ``signatures`` / ``verify_signatures`` prove it by
+walking the module tree twice (every module's parameters, buffers and tensor attributes), which is most of
+the host cost of a small update. The walk at begin stays: it is the baseline, and it is what notices that
+something moved *between* updates (which invalidates cached destination views). The one at finish is
+replaced by a re-check of what the first walk found, indexed by where it was found:
+
+- every module reached by the walk is still its parent's child under the same name (the tree that gave
+  each tensor its qualified name is unchanged, so no tensor was hidden or renamed by a module swap);
+- every tensor object is still bound at its (module, attribute) place - the same Python object, not a
+  replacement (``module.weight = new``, a reinstall that forgot one);
+- and that object keeps its signature (``param.data = x``, ``set_``, ``resize_`` change it in place).
+
+A tensor's signature can change only by rebinding the place that holds it or by changing the object in
+place, so these checks see every change the second walk would see, for every tensor of the baseline,
+whoever made it (processors, model loaders, hooks, the caller's own code between loads). They cost one
+dict lookup per module and per tensor plus one signature per tensor, instead of re-scanning every
+module's attributes. When a check fails, the full walk runs and its verdict (and message) is the one
+raised, so a failure reads exactly as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from weight_sync.layers.tensors import TensorSignature, graph_visible_tensors, verify_signatures
+
+__all__ = ["Baseline", "take_baseline", "verify_baseline"]
+
+_new_signature = tuple.__new__
+
+
+@dataclass(slots=True)
+class Baseline:
+    """The graph-visible tensors of a model at one point, with where each was found."""
+
+    signatures: dict[str, TensorSignature]
+    # (qualified child name, parent, attribute name, child) for every module the walk entered.
+    edges: list[tuple[str, nn.Module, str, nn.Module]] = field(default_factory=list)
+    # (qualified tensor name, module, attribute name, tensor) for every signature.
+    places: list[tuple[str, nn.Module, str, torch.Tensor]] = field(default_factory=list)
+
+
+def take_baseline(model: nn.Module) -> Baseline:
+    """Walk ``model`` once: the same signatures as :func:`weight_sync.layers.tensors.signatures` (same
+    names, same de-duplication of shared modules and tensors), plus the index the re-check needs."""
+    sigs: dict[str, TensorSignature] = {}
+    base = Baseline(sigs)
+    edges, places = base.edges, base.places
+    seen_modules: set[int] = set()
+    seen_tensors: set[int] = set()
+    # Pre-order, children in registration order, each module once: the walk of ``_named_modules``.
+    stack: list[tuple[str, nn.Module | None, str, nn.Module]] = [("", None, "", model)]
+    while stack:
+        path, parent, attr, mod = stack.pop()
+        if id(mod) in seen_modules:
+            continue
+        seen_modules.add(id(mod))
+        if parent is not None:
+            edges.append((path, parent, attr, mod))
+        prefix = f"{path}." if path else ""
+        for name, t in graph_visible_tensors(mod).items():
+            if id(t) in seen_tensors:
+                continue
+            seen_tensors.add(id(t))
+            if t.is_meta:
+                continue
+            qual = prefix + name
+            sigs[qual] = _new_signature(TensorSignature, (t.data_ptr(), t.shape, t.dtype, t.stride(), t.device))
+            places.append((qual, mod, name, t))
+        children = mod._modules
+        if children:
+            stack.extend(reversed([
+                (prefix + name, mod, name, child) for name, child in children.items() if child is not None
+            ]))
+    return base
+
+
+def _unchanged(base: Baseline, skip: tuple[str, ...]) -> bool:
+    """Whether every module and tensor of ``base`` (outside the ``skip`` prefixes) is where it was."""
+    for path, parent, attr, child in base.edges:
+        if parent._modules.get(attr) is not child and not (skip and (path + ".").startswith(skip)):
+            return False
+    sigs = base.signatures
+    for qual, mod, name, t in base.places:
+        if skip and qual.startswith(skip):
+            continue
+        # Looked up in graph_visible_tensors' order: parameters, buffers, then plain attributes.
+        bound: torch.Tensor | None = mod._parameters.get(name)
+        if bound is None:
+            bound = mod._buffers.get(name)
+            if bound is None:
+                bound = mod.__dict__.get(name)
+        if bound is not t or (t.data_ptr(), t.shape, t.dtype, t.stride(), t.device) != sigs[qual]:
+            return False
+    return True
+
+
+def verify_baseline(model: nn.Module, base: Baseline, skip: tuple[str, ...] = ()) -> None:
+    """Raise :class:`PointerChangedError` if a tensor of ``base`` moved or changed layout; tensors whose
+    name starts with one of ``skip`` (layers processed for the first time: new by design) are exempt."""
+    if _unchanged(base, skip):
+        return
+    before = base.signatures
+    if skip:
+        before = {k: v for k, v in before.items() if not k.startswith(skip)}
+    verify_signatures(model, before)  # the full walk decides, and names what moved
