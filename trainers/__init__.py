@@ -1,7 +1,9 @@
 """Trainer side of weight_sync: weight sources, LoRA merge, name mapping and Ray rollout workers.
 
 ``ModuleSource`` (any nn.Module / HF model), ``FSDPSource`` (FSDP2 / DTensor, gathered one block at a
-time in lockstep, sent from one rank) and ``CheckpointSource`` (a safetensors checkpoint) give a
+time in lockstep, sent from one rank), ``ExpertParallelSource`` (an expert-parallel rank's own experts,
+each rank with its own sender, joined into one engine update by ``weight_sync.transport.joined``; it
+also splits transformers-5 stacked experts into HF per-expert names) and ``CheckpointSource`` (a safetensors checkpoint) give a
 manifest from metadata and ``(name, tensor)`` in block order for a :class:`weight_sync.transport.WeightSender`.
 ``RolloutWorker`` wraps an engine behind vLLM's method names; ``RayRolloutClient`` fans one RPC per
 phase out to Ray actors while the weights travel over the transport; ``EngineProcesses`` does the same
@@ -12,6 +14,7 @@ from one rank (no resharded multi-sender transfer); Ray is imported only by ``tr
 This package imports weight_sync; weight_sync never imports it.
 """
 
+from trainers.expert_parallel import ExpertParallelSource, expert_name_map
 from trainers.fsdp import FSDPSource
 from trainers.lora import LoraFactor, LoraLayerSpec, find_lora_layers, merge_lora
 from trainers.names import NameMap, UnmappedNameError, strip_wrappers
@@ -22,6 +25,7 @@ from trainers.sources import CheckpointSource, ModuleSource, SourceEntry
 __all__ = [
     "CheckpointSource",
     "EngineProcesses",
+    "ExpertParallelSource",
     "FSDPSource",
     "LoraFactor",
     "LoraLayerSpec",
@@ -31,6 +35,7 @@ __all__ = [
     "RolloutWorker",
     "SourceEntry",
     "UnmappedNameError",
+    "expert_name_map",
     "find_lora_layers",
     "merge_lora",
     "strip_wrappers",
