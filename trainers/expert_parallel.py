@@ -18,10 +18,11 @@ Two trainer layouts of a rank's experts are understood, both numbered locally fr
 - per-expert modules (``experts.{j}.gate_proj.weight``...): :func:`expert_name_map` renames them to
   global ids (``j + ep_rank * num_local_experts``);
 - stacked, as transformers 5 holds them (``experts.gate_up_proj [E_local, 2I, H]``, gate rows first,
-  and ``experts.down_proj [E_local, H, I]``): split into the per-expert HF names as views (no copy),
-  each expert's gate, up and down adjacent so the engine completes it before the next one opens.
+  and ``experts.down_proj [E_local, H, I]``): split by every :class:`ModuleSource` into the per-expert
+  HF names as views (no copy, see :func:`trainers.sources.split_stacked_experts`), ids from
+  ``expert_offset``.
 
-``ep_size=1`` makes this the source of a whole transformers-5 MoE model. Limitations: no LoRA on
+Limitations: no LoRA on
 stacked experts; no DTensor experts (an FSDP2-sharded stacked tensor would be gathered whole per
 expert: use per-expert modules or ``to_local()`` tensors of whole experts).
 """
@@ -34,55 +35,13 @@ import torch
 from torch import nn
 
 from trainers.names import NameMap
-from trainers.sources import ModuleSource, SourceEntry
+from trainers.sources import ModuleSource
 from weight_sync.errors import ConfigError
 
 __all__ = ["EXPERT_NAME", "ExpertParallelSource", "expert_id", "expert_name_map"]
 
 #: An HF expert tensor name: ``...mlp.experts.{e}.{gate,up,down}_proj.weight``.
 EXPERT_NAME = re.compile(r"^(?P<pre>.*\.mlp\.experts\.)(?P<e>\d+)(?P<post>\.(?:gate|up|down)_proj\.weight)$")
-
-
-#: Stacked experts as transformers 5 names them: ``...mlp.experts.gate_up_proj`` / ``...mlp.experts.down_proj``.
-STACKED_EXPERTS = re.compile(r"^(?P<pre>.*\.mlp\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
-
-
-def split_stacked_experts(entries: list[SourceEntry], offset: int) -> list[SourceEntry]:
-    """Replace stacked expert tensors by per-expert HF-named views (global id = local id + offset),
-    expert by expert (gate, up, down), at the place of the layer's first stacked tensor."""
-    stacked: dict[str, dict[str, SourceEntry]] = {}
-    for e in entries:
-        m = STACKED_EXPERTS.match(e.name)
-        if m is not None:
-            if e.factors:
-                raise ConfigError(f"{e.name}: LoRA adapters on stacked experts are not supported")
-            stacked.setdefault(m.group("pre"), {})[m.group("kind")] = e
-    out: list[SourceEntry] = []
-    for e in entries:
-        m = STACKED_EXPERTS.match(e.name)
-        if m is None:
-            out.append(e)
-            continue
-        pre = m.group("pre")
-        if pre not in stacked:
-            continue  # this layer's experts are already out
-        kinds = stacked.pop(pre)
-        if set(kinds) != {"gate_up_proj", "down_proj"}:
-            raise ConfigError(f"{pre}: stacked experts need gate_up_proj and down_proj, got {sorted(kinds)}")
-        gate_up, down = kinds["gate_up_proj"].tensor, kinds["down_proj"].tensor
-        num, two_i = gate_up.shape[0], gate_up.shape[1]
-        if gate_up.dim() != 3 or down.dim() != 3 or down.shape[0] != num or two_i % 2 or down.shape[2] != two_i // 2:
-            raise ConfigError(
-                f"{pre}: stacked experts expect gate_up_proj [E, 2I, H] and down_proj [E, H, I], got "
-                f"{tuple(gate_up.shape)} and {tuple(down.shape)}"
-            )
-        i = two_i // 2
-        for j in range(num):
-            g = offset + j
-            out += [SourceEntry(f"{pre}.{g}.gate_proj.weight", kinds["gate_up_proj"].trainer_name, gate_up[j, :i]),
-                    SourceEntry(f"{pre}.{g}.up_proj.weight", kinds["gate_up_proj"].trainer_name, gate_up[j, i:]),
-                    SourceEntry(f"{pre}.{g}.down_proj.weight", kinds["down_proj"].trainer_name, down[j])]
-    return out
 
 
 def expert_id(name: str) -> int | None:
@@ -153,8 +112,7 @@ class ExpertParallelSource(ModuleSource):
         self.expert_ids = range(ep_rank * self.num_local_experts, (ep_rank + 1) * self.num_local_experts)
         if local_ids:
             name_map = expert_name_map(ep_rank=ep_rank, num_local_experts=self.num_local_experts, base=name_map)
-        super().__init__(model, name_map, dtype=dtype)
-        self.entries = split_stacked_experts(self.entries, self.expert_ids.start)
+        super().__init__(model, name_map, dtype=dtype, expert_offset=self.expert_ids.start)
         self.sends_replicated = ep_rank == replicated_rank
         self._check_experts()
         self.entries = [e for e in self.entries if self.sends_replicated or expert_id(e.name) is not None]

@@ -10,6 +10,7 @@ complete and in forward order, as the transport's protocol requires. ``ModuleSou
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -19,11 +20,12 @@ from torch import nn
 
 from trainers.lora import LoraFactor, find_lora_layers, merge_lora
 from trainers.names import NameMap, strip_wrappers
+from weight_sync.errors import ConfigError
 from weight_sync.layers import order_by_block
 from weight_sync.manifest import Manifest, TensorMeta
 from weight_sync.safetensors_io import checkpoint_files, iter_checkpoint, read_header
 
-__all__ = ["CheckpointSource", "ModuleSource", "SourceEntry"]
+__all__ = ["CheckpointSource", "ModuleSource", "SourceEntry", "split_stacked_experts"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,8 +55,64 @@ def _named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def plan_entries(model: nn.Module, name_map: NameMap | None) -> list[SourceEntry]:
-    """The tensors ``model`` sends, LoRA-merged and renamed, in block order of the engine names."""
+#: Stacked experts as transformers 5 names them: ``...mlp.experts.gate_up_proj`` / ``...mlp.experts.down_proj``.
+STACKED_EXPERTS = re.compile(r"^(?P<pre>.*\.mlp\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "DTensor"
+
+
+def split_stacked_experts(entries: list[SourceEntry], offset: int = 0) -> list[SourceEntry]:
+    """Replace stacked expert tensors by per-expert HF-named views (global id = local id + offset).
+
+    transformers 5 holds a MoE layer's experts as ``experts.gate_up_proj [E, 2I, H]`` (gate rows
+    first) and ``experts.down_proj [E, H, I]``; checkpoints and engines name them per expert
+    (``experts.{e}.{gate,up,down}_proj.weight``). The views cost no copy; they are emitted expert by
+    expert (gate, up, down) at the place of the layer's first stacked tensor, so an engine completes
+    one expert before the next opens. DTensor experts are left stacked (slicing one would gather it).
+    """
+    stacked: dict[str, dict[str, SourceEntry]] = {}
+    for e in entries:
+        m = STACKED_EXPERTS.match(e.name)
+        if m is not None and not _is_dtensor(e.tensor):
+            if e.factors:
+                raise ConfigError(f"{e.name}: LoRA adapters on stacked experts are not supported")
+            stacked.setdefault(m.group("pre"), {})[m.group("kind")] = e
+    out: list[SourceEntry] = []
+    done: set[str] = set()
+    for e in entries:
+        m = STACKED_EXPERTS.match(e.name)
+        if m is None or _is_dtensor(e.tensor):
+            out.append(e)
+            continue
+        pre = m.group("pre")
+        if pre in done:
+            continue  # this layer's experts are already out
+        done.add(pre)
+        kinds = stacked[pre]
+        if set(kinds) != {"gate_up_proj", "down_proj"}:
+            raise ConfigError(f"{pre}: stacked experts need gate_up_proj and down_proj, got {sorted(kinds)}")
+        # Views of detached aliases: no autograd history, and the trainer's later in-place steps show.
+        gate_up, down = kinds["gate_up_proj"].tensor.detach(), kinds["down_proj"].tensor.detach()
+        num, two_i = gate_up.shape[0], gate_up.shape[1] if gate_up.dim() > 1 else 0
+        if gate_up.dim() != 3 or down.dim() != 3 or down.shape[0] != num or two_i % 2 or down.shape[2] != two_i // 2:
+            raise ConfigError(
+                f"{pre}: stacked experts expect gate_up_proj [E, 2I, H] and down_proj [E, H, I], got "
+                f"{tuple(gate_up.shape)} and {tuple(down.shape)}"
+            )
+        i = two_i // 2
+        for j in range(num):
+            g = offset + j
+            out += [SourceEntry(f"{pre}.{g}.gate_proj.weight", kinds["gate_up_proj"].trainer_name, gate_up[j, :i]),
+                    SourceEntry(f"{pre}.{g}.up_proj.weight", kinds["gate_up_proj"].trainer_name, gate_up[j, i:]),
+                    SourceEntry(f"{pre}.{g}.down_proj.weight", kinds["down_proj"].trainer_name, down[j])]
+    return out
+
+
+def plan_entries(model: nn.Module, name_map: NameMap | None, expert_offset: int = 0) -> list[SourceEntry]:
+    """The tensors ``model`` sends, LoRA-merged and renamed, in block order of the engine names
+    (stacked experts split per expert, see :func:`split_stacked_experts`)."""
     name_map = name_map or NameMap()
     lora = find_lora_layers(model)
     skip: set[str] = {n for spec in lora.values() for n in spec.adapter_param_names}
@@ -79,20 +137,24 @@ def plan_entries(model: nn.Module, name_map: NameMap | None) -> list[SourceEntry
     module_order = [e.name for e in entries]
     order = order_by_block(module_order, reference_order=module_order)
     by_name = {e.name: e for e in entries}
-    return [by_name[n] for n in order]
+    return split_stacked_experts([by_name[n] for n in order], expert_offset)
 
 
 class ModuleSource:
     """Send an ``nn.Module``'s (or an HF model's) weights: ``ModuleSource(model, name_map=None)``.
 
     dtype: cast every floating-point tensor on the fly (e.g. fp32 master weights -> bf16 on the wire).
-    LoRA adapters (peft layout) are merged into their base weights as they are sent.
+    LoRA adapters (peft layout) are merged into their base weights as they are sent. Stacked experts
+    (transformers 5 MoE models) are sent per expert under the checkpoint's names; ``expert_offset`` is
+    the global id of the model's first expert (an expert-parallel rank's part, see
+    :class:`trainers.expert_parallel.ExpertParallelSource`).
     """
 
-    def __init__(self, model: nn.Module, name_map: NameMap | None = None, *, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, model: nn.Module, name_map: NameMap | None = None, *, dtype: torch.dtype | None = None,
+                 expert_offset: int = 0) -> None:
         self.model = model
         self.dtype = dtype
-        self.entries = plan_entries(model, name_map)
+        self.entries = plan_entries(model, name_map, expert_offset)
 
     def _dtype(self, t: torch.Tensor) -> torch.dtype:
         return self.dtype if self.dtype is not None and t.dtype.is_floating_point else t.dtype

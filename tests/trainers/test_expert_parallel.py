@@ -130,3 +130,20 @@ def test_a_joined_update_refuses_a_tensor_announced_by_two_parts_before_any_writ
         joined.part(1).begin_update(Manifest(tuple(m for m in metas if expert_id(m.name) in (3, 4, 5, 6, 7))))
     assert engine.fingerprint() == before
     assert engine.generate([[1, 2, 3]], max_new_tokens=2)  # serving, not torn
+
+
+def test_a_module_source_sends_a_transformers_moe_model_per_expert_and_reloads_an_engine_bitwise(moe) -> None:
+    from trainers import ModuleSource
+    from weight_sync import begin_update
+
+    model = stacked_model(str(moe["b"]), rank=0, ep_size=1)  # the whole model, as transformers holds it
+    source = ModuleSource(model)
+    b = _checkpoint(moe["b"])
+    assert sorted(source.manifest().names) == sorted(b)
+    engine = ReferenceEngine.from_checkpoint(moe["a"], quantization="fp8", use_cuda_graph=False)
+    with begin_update(engine.model, source.manifest()) as session:
+        session.load(source)
+    assert session.report.units_processed == 2 * NUM_EXPERTS  # each expert's keys adjacent
+    assert session.report.peak_buffered_bytes < NUM_EXPERTS * 3 * 64 * 128 * 2  # never a whole layer
+    fresh = ReferenceEngine.from_checkpoint(moe["b"], quantization="fp8", use_cuda_graph=False)
+    assert engine.fingerprint() == fresh.fingerprint()
