@@ -149,8 +149,11 @@ def _run_phase(name: str, targets: list[tuple[Callable[..., dict[str, Any]], tup
             elif msg["who"] == 0 or not msg["ok"]:  # the first child's result, or any child's failure
                 result = msg
     finally:
+        # A finished phase's children exit on their own; after a failure or a timeout they may be stuck
+        # in a device call or a socket, so they get only a short grace before they are killed.
+        grace = 30.0 if result is not None and result["ok"] else 3.0
         for p in procs:
-            p.join(timeout=30)
+            p.join(timeout=grace)
         for p in procs:
             if p.is_alive():  # our own child, by its handle: stuck in a device call or a socket
                 p.kill()
