@@ -130,6 +130,18 @@ def _copy_s(device: torch.device, total: int, repeats: int) -> float:
     return statistics.median(times)
 
 
+# Qwen3-8B's 399 tensor names (36 blocks) with tiny tensors (~0.2 MB in all): the data phase is nearly
+# nothing, so an update's time is its control plane and per-tensor host work.
+NAMES_8B = dict(num_hidden_layers=36, hidden_size=16, intermediate_size=32, head_dim=4, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=256)
+
+
+def _config(preset: str) -> dict[str, Any]:
+    if preset == "names-8b":
+        return hf_config("qwen3", "tiny", torch.bfloat16, **NAMES_8B)
+    return hf_config("qwen3", preset, torch.bfloat16)
+
+
 def bench_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     backend, repeats = spec["backend"], spec["repeats"]
     device = _devices(backend, rank, spec["device"])
@@ -140,7 +152,7 @@ def bench_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     store = dist.distributed_c10d._get_default_store()
-    cfg = hf_config("qwen3", spec["preset"], torch.bfloat16)
+    cfg = _config(spec["preset"])
     out: dict[str, Any] = {"rank": rank, "device": str(device), "buckets": []}
     if rank == 0:
         weights = list(random_weights(cfg, seed=0, dtype=torch.bfloat16, device=device))
@@ -166,16 +178,17 @@ def bench_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
                                                   verify=spec["verify"]), num_receivers=1)
             store.set(key, sender.address)
             sender.connect()
-            times, data_times, call_times, rss = [], [], [], []
+            times, data_times, call_times, cpu_times, rss = [], [], [], [], []
             for r in range(spec["warmup"] + repeats):
                 _sync(device)
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 report = sender.send(weights, manifest, version=r)
-                dt = time.perf_counter() - t0
+                dt, dc = time.perf_counter() - t0, time.thread_time() - c0
                 if r >= spec["warmup"]:
                     times.append(dt)
                     data_times.append(report.transfer_seconds)
                     call_times.append(report.call_seconds)
+                    cpu_times.append(dc)
                 rss.append(_rss())
             sender.close()
             row.update(sender_waits=report.host_waits,
@@ -183,6 +196,10 @@ def bench_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
             row.update(seconds=statistics.median(times), seconds_all=times, num_buckets=report.num_buckets,
                        gbps=total / statistics.median(times) / 1e9, data_seconds=statistics.median(data_times),
                        call_seconds=statistics.median(call_times),
+                       # Control: start..commit minus the data phase, per update (the median of the
+                       # differences, not the difference of the medians).
+                       control_seconds=statistics.median(t - d for t, d in zip(times, data_times)),
+                       sender_cpu_seconds=statistics.median(cpu_times),
                        data_gbps=total / statistics.median(data_times) / 1e9, rss_first=rss[0], rss_last=rss[-1],
                        rss_after_warmup=rss[min(len(rss), spec["warmup"]) - 1])
         else:
@@ -195,10 +212,16 @@ def bench_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
                 torch.cuda.synchronize(device)
                 base = torch.cuda.memory_allocated(device)
                 torch.cuda.reset_peak_memory_stats(device)
-            fp_times = []
+            fp_times, engine_walls, engine_cpus = [], [], []
             for _ in range(repeats):
+                t0, c0 = time.perf_counter(), time.thread_time()
                 report = receiver.receive_update()
+                engine_walls.append(time.perf_counter() - t0)
+                engine_cpus.append(time.thread_time() - c0)
                 fp_times.append(report.seconds.get("total", 0.0))
+            # The engine's host (main-thread CPU) time per update: its data work (loads) and its control.
+            row.update(engine_seconds=statistics.median(engine_walls),
+                       engine_cpu_seconds=statistics.median(engine_cpus))
             if device.type == "cuda":
                 transient = torch.cuda.max_memory_allocated(device) - base
                 buffers = 0 if backend == "ipc" or spec.get("zero_copy") else spec["num_buffers"] * (bucket + TRAILER_BYTES)
@@ -242,7 +265,8 @@ def _run(args: argparse.Namespace, name: str, quantization: str | None) -> dict[
             buffers = 0 if backend == "ipc" or zero_copy else args.num_buffers * (bucket + TRAILER_BYTES)
             row["memory_bound_bytes"] = buffers + trainer["largest_block_bytes"]
         rows.append(row)
-    return {"backend": backend, "zero_copy": zero_copy, "quantization": quantization, "verify": args.verify, "num_bytes": trainer["num_bytes"],
+    return {"backend": backend, "zero_copy": zero_copy, "quantization": quantization, "verify": args.verify,
+            "checksum": spec["checksum"] and not zero_copy, "num_bytes": trainer["num_bytes"],
             "num_tensors": trainer["num_tensors"], "largest_block_bytes": trainer["largest_block_bytes"],
             "rows": rows}
 
@@ -277,6 +301,29 @@ def _waits(w: dict[str, int] | None) -> str:
     return ", ".join(parts) + f" ({w.get('blocked', 0)} blocked)"
 
 
+def control_budget_s(num_tensors: int) -> float:
+    """Issue 15's control-plane goal per update: ~1 ms plus ~2 us per tensor of host time."""
+    return 1e-3 + 2e-6 * num_tensors
+
+
+def _control(r: dict[str, Any], num_tensors: int) -> str:
+    if "control_seconds" not in r:
+        return "n/a"
+    return f"{r['control_seconds'] * 1e3:.2f} ({control_budget_s(num_tensors) * 1e3:.2f})"
+
+
+def _cpu(r: dict[str, Any]) -> str:
+    if "sender_cpu_seconds" not in r:
+        return "n/a"
+    return f"{r['sender_cpu_seconds'] * 1e3:.2f} / {r.get('engine_cpu_seconds', 0.0) * 1e3:.2f}"
+
+
+def _checks(run: dict[str, Any]) -> str:
+    """Which guarantees ran in the row: manifest validation and pointer audit always, checksums as set."""
+    ck = "checksums" if run.get("checksum", True) else "no checksums"
+    return f"manifest, audit, commit vote, {ck}"
+
+
 def _markdown(result: dict[str, Any]) -> str:
     env = result["environment"]
     lines = [f"# Transport benchmark ({result['tag']})", "", f"Command: `{env['command']}`  ",
@@ -287,10 +334,11 @@ def _markdown(result: dict[str, Any]) -> str:
                   f"{run['num_tensors']} tensors, {run['num_bytes'] / 1e9:.3f} GB per update, largest block "
                   f"{run['largest_block_bytes'] / 1e6:.1f} MB.", ""]
         baseline = "raw broadcast" if run["backend"] in ("nccl", "gloo") else "one device copy"
-        lines.append(f"| bucket MB | buckets | update s (start..commit) | data s | call s (update_weights) | "
+        lines.append(f"| bucket MB | buckets | update s (start..commit) | data s | control ms (budget) | "
+                     "host CPU ms trainer / engine | call s (update_weights) | "
                      f"data GB/s | {baseline} s | data / call / end-to-end vs baseline | extra engine MB (bound) | "
-                     "host waits per update: trainer / engine |")
-        lines.append("|---|---|---|---|---|---|---|---|---|---|")
+                     "checks | host waits per update: trainer / engine |")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in run["rows"]:
             if "raw_s" in r:
                 base = f"{r['raw_s']:.4f} ({r['raw_gbps']:.1f} GB/s)"
@@ -303,8 +351,25 @@ def _markdown(result: dict[str, Any]) -> str:
             mem = (f"{r['extra_engine_bytes'] / 1e6:.0f} ({r['memory_bound_bytes'] / 1e6:.0f})"
                    if "extra_engine_bytes" in r else "n/a (CPU)")
             lines.append(f"| {r['bucket_mb']} | {r['num_buckets']} | {r['seconds']:.4f} | {r['data_seconds']:.4f} | "
-                         f"{r['call_seconds']:.4f} | {r['data_gbps']:.2f} | {base} | {ratio} | {mem} | {_waits(r.get('sender_waits'))} / "
-                         f"{_waits(r.get('engine_waits'))} |")
+                         f"{_control(r, run['num_tensors'])} | {_cpu(r)} | "
+                         f"{r['call_seconds']:.4f} | {r['data_gbps']:.2f} | {base} | {ratio} | {mem} | {_checks(run)} | "
+                         f"{_waits(r.get('sender_waits'))} / {_waits(r.get('engine_waits'))} |")
+        lines.append("")
+    if result.get("baseline"):
+        b = result["baseline"]
+        lines += [f"## Baseline: the previous code path (commit {b['commit']}), same arguments, in this run", ""]
+        lines += ["| backend | bucket MB | update s (start..commit) | data s | control ms (budget) | "
+                  "host CPU ms trainer / engine | ours: control ms | ours: host CPU ms trainer / engine |",
+                  "|---|---|---|---|---|---|---|---|"]
+        ours = {(r["backend"], r.get("zero_copy"), r["quantization"]): r for r in result["runs"]}
+        for run in b["runs"]:
+            mine = ours.get((run["backend"], run.get("zero_copy"), run["quantization"]))
+            for k, r in enumerate(run["rows"]):
+                m = mine["rows"][k] if mine and k < len(mine["rows"]) else {}
+                name = f"{run['backend']}{'+zc' if run.get('zero_copy') else ''}"
+                lines.append(f"| {name} | {r['bucket_mb']} | {r['seconds']:.4f} | {r['data_seconds']:.4f} | "
+                             f"{_control(r, run['num_tensors'])} | {_cpu(r)} | "
+                             f"{_control(m, run['num_tensors']) if m else 'n/a'} | {_cpu(m) if m else 'n/a'} |")
         lines.append("")
     if result.get("rss"):
         rss = result["rss"]
@@ -317,6 +382,11 @@ def _markdown(result: dict[str, Any]) -> str:
               "verification: 1 per update_weights call), 'comm' = waits on a collective, 'device' = waits on a "
               "CUDA event, 'link' = doorbell records (shm/ipc), 'control' = header and status exchanges; "
               "'blocked' = how many found the work still running (the host actually stopped).", ""]
+    lines += ["Control = start..commit minus the data phase on the trainer (median over updates; the budget in "
+              "parentheses is issue 15's ~1 ms + ~2 us per tensor). Host CPU = the main thread's CPU time "
+              "(time.thread_time) over one whole update on each side: data work (packing, loads) and control "
+              "(manifest, audit, exchanges) together; waits on the peer are not CPU. Every row ran manifest "
+              "validation, the pointer audit and the agreed commit; 'checks' says whether checksums ran.", ""]
     lines += ["Method: two processes; each update is timed on the trainer from start_weight_update to the "
               "engine's agreed commit (finish_weight_update), median of the repeats after warm-up; 'data' is "
               "TransferReport.transfer_seconds, the sender's time in update_weights until its last bucket is "
@@ -370,6 +440,35 @@ def _plot(result: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def _baseline_run(args: argparse.Namespace, argv: list[str], tag: str) -> dict[str, Any]:
+    """This benchmark, same arguments, with weight_sync imported from ``--baseline-code`` (a subprocess:
+    spawned ranks import weight_sync before they could be redirected)."""
+    import subprocess
+
+    root = Path(args.baseline_code).resolve()
+    if not (root / "weight_sync" / "__init__.py").is_file():
+        raise SystemExit(f"--baseline-code: {root} has no weight_sync package")
+    rest, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in ("--baseline-code", "--tag"):
+            skip = True
+            continue
+        if a.startswith(("--baseline-code=", "--tag=")):
+            continue
+        rest.append(a)
+    base_tag = f"{tag}_baseline_code"
+    env = dict(os.environ, PYTHONPATH=f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    subprocess.run([sys.executable, __file__, *rest, "--tag", base_tag], env=env, check=True)
+    out = json.loads((RESULTS / f"transport_{base_tag}.json").read_text())
+    for ext in ("json", "md", "png"):
+        (RESULTS / f"transport_{base_tag}.{ext}").unlink(missing_ok=True)  # kept inside our result
+    commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True)
+    return {"code": str(root), "commit": commit.stdout.strip() or None, "runs": out["runs"]}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
@@ -389,6 +488,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="CPU: consecutive updates (after 10 warm-up updates) for the RSS check (0: skip)")
     p.add_argument("--timeout-s", type=float, default=1800)
     p.add_argument("--tag", default=None)
+    p.add_argument("--baseline-code", default=None, metavar="DIR",
+                   help="also run every backend with weight_sync imported from DIR (a checkout of the previous "
+                        "code path, e.g. a git worktree), in this run; its rows are reported next to ours")
     args = p.parse_args(argv)
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = args.device == "cuda"
@@ -414,6 +516,7 @@ def main(argv: list[str] | None = None) -> int:
                 mem = (f", extra engine {r['extra_engine_bytes'] / 1e6:.0f} MB (bound {r['memory_bound_bytes'] / 1e6:.0f})"
                        if "extra_engine_bytes" in r else "")
                 print(f"  bucket {r['bucket_mb']} MiB: update {r['seconds']:.4f} s, data {r['data_seconds']:.4f} s, "
+                      f"control {_control(r, run['num_tensors'])} ms, host CPU {_cpu(r)} ms, "
                       f"call {r['call_seconds']:.4f} s "
                       f"({r['data_gbps']:.2f} GB/s){extra}{mem}", flush=True)
                 print(f"    host waits per update: trainer {_waits(r.get('sender_waits'))}; "
@@ -422,6 +525,8 @@ def main(argv: list[str] | None = None) -> int:
     if not cuda and args.rss_updates:
         result["rss"] = _rss_run(args)
         print(f"[bench] RSS growth over {args.rss_updates} updates: {result['rss']['trainer_growth']:+.2%}")
+    if args.baseline_code:
+        result["baseline"] = _baseline_run(args, argv if argv is not None else sys.argv[1:], tag)
     RESULTS.mkdir(parents=True, exist_ok=True)
     stem = RESULTS / f"transport_{tag}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str))

@@ -48,8 +48,10 @@ from weight_sync.reload.validation import (
     accept_manifest,
     check_against_plan,
     fmt_layout,
+    lacking_from_reference,
     name_list,
     plan_missing,
+    rewritten_layers,
 )
 
 __all__ = ["UpdateSession"]
@@ -563,30 +565,11 @@ class UpdateSession(UnitLayers):
 
     def _lacking_from_reference(self) -> list[str]:
         """Tensors of the reference layout this update did not bring (ignored keys excluded)."""
-        ref = self.state.reference
-        if ref is None:
-            return []
-        lacking = []
-        for n in ref.names:
-            if n not in self._arrived:
-                kp = self.plan.keys.get(n)
-                if kp is None or kp.mode != "ignored":
-                    lacking.append(n)
-        return lacking
+        return lacking_from_reference(self.state, self.plan, self._arrived)
 
     def _rewritten(self, layers: Iterable[str]) -> set[str]:
-        """Of ``layers``, those this update wrote whole: every key of the layer (of the reference layout,
-        where the reference names any) arrived."""
-        ref = self.state.reference
-        ref_names = set(ref.names) if ref is not None and self.state.torn_layers else set()
-        out = set()
-        for layer in layers:
-            need = self.plan.layer_keys.get(layer, set())
-            if need & ref_names:
-                need = need & ref_names
-            if need and need <= self._arrived:
-                out.add(layer)
-        return out
+        """Of ``layers``, those this update wrote whole (see :func:`.validation.rewritten_layers`)."""
+        return rewritten_layers(self.state, self.plan, self._arrived, layers)
 
     def __enter__(self) -> UpdateSession:
         return self

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch import nn
 
@@ -11,7 +13,16 @@ from weight_sync.reload.plan import KeyPlan, Plan
 from weight_sync.reload.recorder import plan_keys
 from weight_sync.reload.state import AcceptedManifest, ModelState, name_list
 
-__all__ = ["accept_manifest", "check_against_plan", "fmt_layout", "name_list", "plan_missing", "validate_manifest"]
+__all__ = [
+    "accept_manifest",
+    "check_against_plan",
+    "fmt_layout",
+    "lacking_from_reference",
+    "name_list",
+    "plan_missing",
+    "rewritten_layers",
+    "validate_manifest",
+]
 
 
 def fmt_layout(shape: tuple[int, ...], dtype: torch.dtype) -> str:
@@ -106,3 +117,32 @@ def validate_manifest(model: nn.Module, state: ModelState, plan: Plan, manifest:
             f"manifest rejected before any write ({len(first)} problem(s)): " + "; ".join(first[:5])
             + (f"; ... ({len(first) - 5} more)" if len(first) > 5 else "")
         )
+
+
+def lacking_from_reference(state: ModelState, plan: Plan, arrived: set[str]) -> list[str]:
+    """Tensors of the reference layout that did not arrive (ignored keys excluded)."""
+    ref = state.reference
+    if ref is None:
+        return []
+    lacking = []
+    for n in ref.names:
+        if n not in arrived:
+            kp = plan.keys.get(n)
+            if kp is None or kp.mode != "ignored":
+                lacking.append(n)
+    return lacking
+
+
+def rewritten_layers(state: ModelState, plan: Plan, arrived: set[str], layers: Iterable[str]) -> set[str]:
+    """Of ``layers``, those an update wrote whole: every key of the layer (of the reference layout, where
+    the reference names any) arrived."""
+    ref = state.reference
+    ref_names = set(ref.names) if ref is not None and state.torn_layers else set()
+    out = set()
+    for layer in layers:
+        need = plan.layer_keys.get(layer, set())
+        if need & ref_names:
+            need = need & ref_names
+        if need and need <= arrived:
+            out.add(layer)
+    return out
