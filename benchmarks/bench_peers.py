@@ -491,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-peer", action="store_true")
     p.add_argument("--peer-bucket-gb", type=float, default=None,
                    help="checkpoint-engine's PS_MAX_BUCKET_SIZE_GB (its default: 8)")
-    p.add_argument("--local-timeout-s", type=float, default=240.0, help="timeout of the bound + ours phase")
+    p.add_argument("--local-timeout-s", type=float, default=220.0, help="timeout of the bound + ours phase")
     p.add_argument("--peer-timeout-s", type=float, default=300.0, help="timeout of the checkpoint-engine phase")
     p.add_argument("--profile", action="store_true", help="write torch.profiler's table of one of our updates")
     p.add_argument("--tag", default=None, help="result file suffix (default: h200 on CUDA, cpu otherwise)")
