@@ -57,14 +57,26 @@ def module_model(ckpt: str, rank: int, ep_size: int) -> nn.Module:
     return root
 
 
-def send_own_part(conn: Any, rank: int, ep_size: int, ckpt: str, layout: str) -> None:
-    """Build this rank's part, send it in one update, report what was sent through ``conn``."""
+BAD_EXPERT = "model.layers.1.mlp.experts.5.up_proj.weight"
+
+
+def send_own_part(conn: Any, rank: int, ep_size: int, ckpt: str, layout: str, bad: bool = False) -> None:
+    """Build this rank's part, send it in one update, report what was sent (or the error) through ``conn``.
+
+    bad: rank 1 holds expert 5's up projection with a wrong shape (its local expert 1)."""
     model = (stacked_model if layout == "stacked" else module_model)(ckpt, rank, ep_size)
+    if bad and rank == 1:
+        up = model.get_submodule("model.layers.1.mlp.experts.1.up_proj")
+        up.weight = nn.Parameter(up.weight.detach()[:, :100].clone(), requires_grad=False)
     source = ExpertParallelSource(model, ep_rank=rank, ep_size=ep_size, num_experts=NUM_EXPERTS)
     manifest = source.manifest()
     sender = WeightSender(TransportConfig(backend="gloo", bucket_bytes=32 << 10, timeout_s=60.0), num_receivers=1)
     conn.send(sender.address)
     sender.connect()
-    report = sender.send(source, manifest, version="b")
-    conn.send({"names": list(manifest.names), "num_bytes": report.num_bytes, "source_bytes": source.num_bytes})
+    try:
+        report = sender.send(source, manifest, version="b")
+    except Exception as e:
+        conn.send({"error": f"{type(e).__name__}: {e}"})
+    else:
+        conn.send({"names": list(manifest.names), "num_bytes": report.num_bytes, "source_bytes": source.num_bytes})
     sender.close()

@@ -8,7 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.trainers.ep_ranks import NUM_EXPERTS, module_model, send_own_part, stacked_model
+from tests.trainers.ep_ranks import (
+    BAD_EXPERT,
+    NUM_EXPERTS,
+    module_model,
+    send_own_part,
+    stacked_model,
+)
 from trainers.expert_parallel import ExpertParallelSource, expert_id
 from weight_sync.engine import ReferenceEngine
 from weight_sync.errors import ConfigError, ManifestError
@@ -31,13 +37,13 @@ def _checkpoint(path: Path) -> dict[str, torch.Tensor]:
     return {n: t.clone() for n, t in iter_checkpoint(path)}
 
 
-def _run_ep_update(engine: ReferenceEngine, ckpt: Path, layout: str):
-    """EP ranks send their parts of ``ckpt`` into ``engine``: (engine report, what each rank sent)."""
+def _run_ep_update(engine: ReferenceEngine, ckpt: Path, layout: str, bad: bool = False):
+    """EP ranks send their parts of ``ckpt`` into ``engine``: (engine report or error, what each rank sent)."""
     ctx = mp.get_context("spawn")
     pipes, procs = [], []
     for rank in range(EP):
         parent, child = ctx.Pipe()
-        p = ctx.Process(target=send_own_part, args=(child, rank, EP, str(ckpt), layout))
+        p = ctx.Process(target=send_own_part, args=(child, rank, EP, str(ckpt), layout, bad))
         p.start()
         pipes.append(parent)
         procs.append(p)
@@ -49,7 +55,10 @@ def _run_ep_update(engine: ReferenceEngine, ckpt: Path, layout: str):
             r = WeightReceiver(joined.part(rank), conn.recv())
             r.connect()
             receivers.append(r)
-        report = receive_joined(receivers)
+        try:
+            report = receive_joined(receivers)
+        except Exception as e:
+            report = e
         sent = []
         for rank, conn in enumerate(pipes):
             assert conn.poll(120), f"EP rank {rank} did not report within 120 s"
@@ -92,6 +101,17 @@ def test_an_ep2_trainer_update_equals_a_fresh_load_and_no_rank_sends_another_ran
     names = [n for part in sent for n in part["names"]]
     assert sorted(names) == sorted(b)  # every tensor sent once, by exactly one rank
     assert sum(part["num_bytes"] for part in sent) == sum(t.numel() * t.element_size() for t in b.values())
+
+
+def test_a_part_with_a_wrong_expert_shape_is_refused_to_every_rank_before_any_write(moe) -> None:
+    engine = ReferenceEngine.from_checkpoint(moe["a"], quantization="fp8", use_cuda_graph=False)
+    before = engine.fingerprint()
+    error, sent = _run_ep_update(engine, moe["b"], "modules", bad=True)
+    assert isinstance(error, Exception) and BAD_EXPERT in str(error) and "(64, 128)" in str(error)
+    assert BAD_EXPERT in sent[1]["error"]  # refused at its start, naming the tensor
+    assert "before all 2 parts started" in sent[0]["error"]  # rank 0's data is refused, not half-applied
+    assert engine.fingerprint() == before
+    assert engine.generate([[1, 2, 3]], max_new_tokens=2)  # serving A, not torn
 
 
 def test_a_stacked_trainer_model_splits_into_per_expert_hf_names_as_views(moe) -> None:
