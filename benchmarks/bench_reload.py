@@ -176,8 +176,9 @@ def bench_moe(args: argparse.Namespace, device: torch.device) -> list[dict]:
     for fmt, quant in FORMATS.items():
         if fmt not in args.formats:
             continue
+        # No CUDA graphs: this measures updates, not decoding (graph decode runs every expert per token).
         engine = ReferenceEngine.from_config(cfg, weights=random_weights(cfg, seed=0, device=device),
-                                             device=device, quantization=quant)
+                                             device=device, quantization=quant, use_cuda_graph=False)
         for order in MOE_ORDERS:
             stream = _moe_order(items, order)
             reports = []
