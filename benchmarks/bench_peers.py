@@ -232,7 +232,10 @@ def local_phase(q: Any, spec: dict[str, Any]) -> dict[str, Any]:
 
     if spec["profile"]:
         q.put({"phase": "profile: one weight_sync update"})
-        out["profile"] = _profile(ours(True), device)
+        try:
+            out["profile"] = _profile(ours(True), device)
+        except Exception:  # the profile is a diagnosis, not a result: its failure must not cost the rows
+            out["profile"] = "profiling failed:\n" + traceback.format_exc()
     return out
 
 
@@ -247,7 +250,7 @@ def _profile(fn: Callable[[], None], device: torch.device) -> str:
         _sync(device)
     ka = prof.key_averages()
     parts = []
-    for key in (["self_cuda_time_total"] if device.type == "cuda" else []) + ["self_cpu_time_total"]:
+    for key in (["self_device_time_total"] if device.type == "cuda" else []) + ["self_cpu_time_total"]:
         parts.append(f"## sorted by {key}\n" + ka.table(sort_by=key, row_limit=25))
     return "\n\n".join(parts)
 
@@ -296,6 +299,8 @@ def peer_server(q: Any, spec: dict[str, Any], conn: Any, port: int) -> dict[str,
     """The trainer side: checkpoint-engine's ParameterServer over a world of one (NCCL, TCPStore)."""
     # ParameterServer reads RANK from the environment even when rank=0 is passed (``rank or env``).
     os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", LOCAL_RANK="0")
+    # NVLink multicast stays off on the shared H200 hosts (as in scripts/gpu_check.sh).
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     if spec.get("peer_bucket_gb"):
         os.environ["PS_MAX_BUCKET_SIZE_GB"] = str(spec["peer_bucket_gb"])
     import checkpoint_engine

@@ -3,6 +3,7 @@
 #
 #   bash scripts/gpu_check.sh [limits] [tests] [reload] [offload] [transport] [multi]   (default: all)
 #   (transport = transport_ipc transport_sweep transport_nccl, each also a phase of its own)
+#   bash scripts/gpu_check.sh peers   (opt-in: bench_peers.py, weight_sync next to checkpoint-engine from .whl/)
 #
 # Logs go to ./gpu_out; benchmark JSON/markdown/PNG go to benchmarks/results/. When $OUT is set (the
 # device tool's output folder, which returns at most 8 files) both are packed into $OUT/gpu_results.tgz. Pure-Python wheels the machine lacks (diffusers)
@@ -78,6 +79,8 @@ for phase in "${phases[@]}"; do
           --enable-distributed-layerwise-offload --data-parallel-size 2 --num-blocks 16 --hidden 3072 \
           --heads 24 --in-channels 64 --tokens 4096 --steps 2 --dtype bfloat16
       fi ;;
+    peers)  # issue 15.4: pinned host -> one GPU, weight_sync next to checkpoint-engine and the pinned H2D bound
+      step bench_peers 560 python3 benchmarks/bench_peers.py --tag h200 --profile ;;
     *) echo "unknown phase $phase"; status=2 ;;
   esac
 done
