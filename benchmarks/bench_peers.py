@@ -64,6 +64,8 @@ def _free_port() -> int:
 def _device(spec: dict[str, Any]) -> torch.device:
     device = torch.device(spec["device"])
     if device.type == "cuda":
+        if device.index is None:  # set_device needs an index; "cuda" means the first GPU here
+            device = torch.device("cuda", 0)
         torch.cuda.set_device(device)
     return device
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU tests and GPU benchmarks, run on the device machine (H200, torch 2.11 + CUDA 13, no install).
 #
-#   bash scripts/gpu_check.sh [limits] [tests] [reload] [offload] [transport] [multi]   (default: all)
+#   bash scripts/gpu_check.sh [limits] [tests] [quant] [reload] [moe] [offload_update] [offload] [transport]
+#                          [multi]   (default: all)
 #   (transport = transport_ipc transport_sweep transport_nccl, each also a phase of its own)
 #   bash scripts/gpu_check.sh peers   (opt-in: bench_peers.py, weight_sync next to checkpoint-engine from .whl/)
 #
@@ -21,7 +22,7 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 phases=("$@")
-[ ${#phases[@]} -eq 0 ] && phases=(limits tests reload offload transport multi)
+[ ${#phases[@]} -eq 0 ] && phases=(limits tests quant reload moe offload_update offload transport multi)
 expanded=()
 for p in "${phases[@]}"; do
   if [ "$p" = transport ]; then expanded+=(transport_ipc transport_sweep transport_nccl); else expanded+=("$p"); fi
@@ -59,6 +60,13 @@ for phase in "${phases[@]}"; do
     reload)
       step bench_reload_0.6b 300 python3 benchmarks/bench_reload.py --device cuda --preset qwen3-0.6b --tag h200_qwen3-0.6b --repeats 5
       step bench_reload_8b 420 python3 benchmarks/bench_reload.py --device cuda --preset qwen3-8b --tag h200_qwen3-8b --repeats 3 --small-layers 2000 ;;
+    quant)  # fp8 kernels of a whole 8B model against a cast copy of the same bytes
+      step bench_quant 240 python3 benchmarks/bench_quant.py --device cuda --preset qwen3-8b --tag h200 ;;
+    moe)  # Qwen3-30B-A3B-shaped reload (16 of its 48 layers: engine + source + the naive path must fit)
+      step bench_reload_moe 480 python3 benchmarks/bench_reload.py --device cuda --arch qwen3_moe \
+        --preset qwen3-30b-a3b --layers 16 --repeats 3 --formats bf16,fp8,fp8_block --tag h200_qwen3-30b-a3b ;;
+    offload_update)  # an update of the offloaded 16 x 227 MB DiT against the pinned H2D bound
+      step offload_update 300 python3 benchmarks/offload_update.py --tag h200 ;;
     offload)
       step bench_offload 480 python3 benchmarks/bench_offload.py --tag h200
       step offload_demo 240 python3 -m weight_sync.cli offload-demo --device cuda --verify --dlo-no-use-allgather \
