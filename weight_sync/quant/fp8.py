@@ -165,6 +165,13 @@ def quantize_fp8(
     step = config.block_size[0] if config.granularity == "block" else 1
     rows = max(step, _CHUNK_BYTES // (4 * max(k, 1)) // step * step)
     q = q_out if q_out is not None else torch.empty((n, k), dtype=torch.float8_e4m3fn, device=w.device)
+    if rows >= n:
+        # One chunk (every weight up to 64 MB in fp32, e.g. each expert of a per-unit reload): the same
+        # operations without the slicing, which costs more host time than the kernels of a small weight.
+        chunk = torch.empty((n, k), dtype=torch.float32, device=w.device)
+        _scaled_rows(w, 0, scale, config, chunk)
+        q.copy_(chunk.clamp_(-FP8_MAX, FP8_MAX))
+        return q, scale
     scratch = torch.empty(min(rows, n) * k, dtype=torch.float32, device=w.device)
     for r0 in range(0, n, rows):
         part = w[r0 : r0 + rows]

@@ -65,10 +65,11 @@ class OnlineQuantLinearMethod(LinearMethod):
 def fitting_output(t: torch.Tensor | None, like: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> bool:
     """Whether ``t`` can receive a result of ``shape`` and ``dtype`` computed from ``like`` (same device,
     contiguous, not overlapping ``like``)."""
+    # Cheapest tests first: this runs a few times per quantized tensor of every reload.
     return (
         t is not None
-        and tuple(t.shape) == tuple(shape)
         and t.dtype == dtype
+        and t.shape == tuple(shape)
         and t.device == like.device
         and t.is_contiguous()
         and t.data_ptr() != like.data_ptr()
