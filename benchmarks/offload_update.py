@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_offload import _sync, timed_ms
 from offload_report import RESULTS, hardware
 
 import weight_sync
@@ -39,22 +39,8 @@ from weight_sync.testing.dit import DiTConfig, SyntheticDiTPipeline
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _median_s(fn: Any, device: torch.device, *, warmup: int, repeats: int) -> float:
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return timed_ms(fn, device, warmup=warmup, repeats=repeats) / 1e3
 
 
 def _copy_s(nbytes: int, src: str, dst: str, device: torch.device, *, warmup: int, repeats: int) -> float:

@@ -4,20 +4,18 @@
 model that is wrong for streamed blocks (their parameters point at whichever slot last held them), and
 with AllGather no rank holds a block's full bytes on the host. Here each streamed block is loaded into
 one reusable device buffer exactly as a restore load does (gathered with AllGather), its tensors are
-checksummed there, and the digest is formed exactly as ``weight_sync.fingerprint`` forms it.
+checksummed there, and ``weight_sync.fingerprint`` forms the digest with those checksums.
 """
 
 from __future__ import annotations
 
-import hashlib
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from weight_sync.checksum import tensor_checksum
-from weight_sync.layers.tensors import iter_graph_visible_tensors
-from weight_sync.manifest import dtype_to_str
+from weight_sync.reload.report import fingerprint
 
 if TYPE_CHECKING:
     from weight_sync.offload.handle import OffloadHandle
@@ -39,15 +37,4 @@ def offload_fingerprint(handle: OffloadHandle, module: nn.Module) -> str:
             for p in lay.placements:
                 sums[id(p.tensor)] = tensor_checksum(p.view(buf))
         del buf
-    h = hashlib.sha256()
-    items = sorted(
-        ((n, t) for n, t in iter_graph_visible_tensors(module) if t.device.type != "meta"),
-        key=lambda item: item[0],
-    )
-    for name, t in items:
-        h.update(name.encode())
-        h.update(dtype_to_str(t.dtype).encode())
-        h.update(repr(tuple(t.shape)).encode())
-        value = sums.get(id(t))
-        h.update((tensor_checksum(t) if value is None else value).to_bytes(8, "little", signed=False))
-    return h.hexdigest()
+    return fingerprint(module, sums)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -65,12 +66,15 @@ class UpdateReport:
         )
 
 
-def fingerprint(model: nn.Module) -> str:
+def fingerprint(model: nn.Module, checksums: Mapping[int, int] | None = None) -> str:
     """A SHA-256 over names, dtypes, shapes and on-device checksums of all graph-visible tensors.
 
     Two models with bitwise-equal kernel tensors under the same names have the same fingerprint; data
-    never leaves the device except as one 64-bit checksum per tensor.
+    never leaves the device except as one 64-bit checksum per tensor. ``checksums``: checksums already
+    computed elsewhere, by tensor ``id`` (an offloaded model's streamed blocks, checksummed where their
+    served bytes are), used in place of reading those tensors.
     """
+    known = checksums or {}
     h = hashlib.sha256()
     items = sorted(
         ((name, t) for name, t in iter_graph_visible_tensors(model) if t.device.type != "meta"),
@@ -80,5 +84,6 @@ def fingerprint(model: nn.Module) -> str:
         h.update(name.encode())
         h.update(dtype_to_str(t.dtype).encode())
         h.update(repr(tuple(t.shape)).encode())
-        h.update(tensor_checksum(t).to_bytes(8, "little", signed=False))
+        value = known.get(id(t))
+        h.update((tensor_checksum(t) if value is None else value).to_bytes(8, "little", signed=False))
     return h.hexdigest()

@@ -8,7 +8,6 @@ tensor, so equal fingerprints mean the prepacked expert weights are bitwise thos
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +23,7 @@ from tests.integrations.vllm.conftest import (
     start_llm,
     stop_llm,
 )
-from tests.integrations.vllm.trainer_process import run_trainer
+from tests.integrations.vllm.test_transfer import Trainer
 from weight_sync.testing import make_checkpoint
 
 pytest.importorskip("vllm")
@@ -36,7 +35,6 @@ UP_3 = "model.layers.0.mlp.experts.3.up_proj.weight"
 ONE_EXPERT_BYTES = (2 * 64 * 128 + 128 * 64) * 2
 EXPERTS_LAYER_BYTES = 8 * ONE_EXPERT_BYTES
 QKV_BYTES = 256 * 128 * 2
-TIMEOUT_S = 20.0
 
 
 @pytest.fixture(scope="module")
@@ -182,28 +180,6 @@ def test_every_graph_visible_tensor_keeps_its_address_across_expert_updates(on_a
     on_a.collective_rpc("reload_weights", kwargs={"weights_path": str(moe_ckpts["b"])})
     on_a.collective_rpc("reload_weights", kwargs={"weights_iterator": checkpoint_items(moe_ckpts["a"])[::-1]})
     assert signatures(model) == before
-
-
-class Trainer:
-    """A spawned trainer process (tests/integrations/vllm/trainer_process.py) sending over gloo."""
-
-    def __init__(self, steps: list[tuple[str, Path]]) -> None:
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=run_trainer, args=(child, [(k, str(p)) for k, p in steps], TIMEOUT_S))
-        self.proc.start()
-        self.address = self.recv()
-
-    def recv(self) -> str:
-        assert self.conn.poll(120), "the trainer process did not answer within 120 s"
-        return self.conn.recv()
-
-    def join(self) -> int | None:
-        self.proc.join(60)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join()
-        return self.proc.exitcode
 
 
 def _described(path: Path) -> dict[str, list]:
