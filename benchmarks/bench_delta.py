@@ -10,8 +10,10 @@ Method. A trainer process (rank 0) holds a transformers model (fp32 master weigh
 Per scenario the engine first gets a in full; then each repeat sends b and a alternately as deltas
 (``TransportConfig(delta=True)``: every delta moves the same changed fraction) and, as the baseline,
 the same versions as full updates (the sender's base dropped first, so ``send`` goes full). Times are
-``send()`` start to the engines' agreed commit (``TransferReport.seconds``), median over repeats;
+the wall time of ``send()`` (the delta's encode included) to the engines' agreed commit, median over
+repeats (also reported: ``TransferReport.seconds``, which starts after the encode);
 every delta's engine fingerprint is checked equal to the full update's of the same version.
+``--profile DIR`` writes a cProfile of each rank (the times then include the profiler).
 
 Usage: ``python benchmarks/bench_delta.py [--preset small] [--repeats 3] [--quantization fp8_block]``.
 Results: ``benchmarks/results/delta_<tag>.{json,md}``.
@@ -24,6 +26,7 @@ import json
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +78,22 @@ def _scenarios(ckpt: str, seed: int) -> list[tuple[str, dict[str, torch.Tensor],
 
 
 def bench_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
+    # Both ranks share the host: torch's default (one thread per core in each process) oversubscribes
+    # it, and on a loaded host the intra-op thread barriers cost more than the work (the encode's
+    # compare and nonzero ran 3-5x slower with 2 threads per rank on 2 shared cores).
+    torch.set_num_threads(spec["threads"])
+    if spec.get("profile"):
+        import cProfile
+
+        prof = cProfile.Profile()
+        try:
+            return prof.runcall(_bench_rank, rank, world, spec)
+        finally:
+            prof.dump_stats(str(Path(spec["profile"]) / f"rank{rank}.prof"))
+    return _bench_rank(rank, world, spec)
+
+
+def _bench_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     from tests.transport.harness import connect_pair
 
     end, _engine, _ = connect_pair(rank, world, "gloo", spec["ckpt"], quantization=spec["quantization"],
@@ -94,25 +113,31 @@ def bench_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
         manifest = Manifest.from_named_tensors(a.items())
         version += 1
         end.send(a.items(), manifest, version=version)
-        delta_s, full_s, stats, fp_pairs = [], [], [], []
+        delta_s, delta_transfer_s, full_s, stats, fp_pairs = [], [], [], [], []
         for _ in range(repeats):
             for w in (b, a):
                 version += 1
+                t0 = time.perf_counter()
                 rep = end.send(w.items(), manifest, version=version)
+                # Wall time of send(): the report's seconds start at start_weight_update, after the
+                # sender has encoded every tensor (the manifest must carry encoded sizes).
+                delta_s.append(time.perf_counter() - t0)
                 assert rep.delta["mode"] == "delta", rep.delta
-                delta_s.append(rep.seconds)
+                delta_transfer_s.append(rep.seconds)
                 stats.append((rep.delta, rep.num_bytes))
                 version += 1
                 end._delta.forget()  # the baseline: the same version as a full update
+                t0 = time.perf_counter()
                 full = end.send(w.items(), manifest, version=version)
+                full_s.append(time.perf_counter() - t0)
                 assert full.delta["mode"] == "full"
-                full_s.append(full.seconds)
                 fp_pairs.append((rep.fingerprints, full.fingerprints))
         d, wire = stats[0]
         rows.append({
             "scenario": name, "changed_fraction": d["changed_fraction"], "wire_bytes": wire,
             "full_bytes": d["plain_bytes"], "wire_ratio": wire / d["plain_bytes"],
-            "delta_s": statistics.median(delta_s), "full_s": statistics.median(full_s),
+            "delta_s": statistics.median(delta_s), "delta_transfer_s": statistics.median(delta_transfer_s),
+            "full_s": statistics.median(full_s),
             "time_ratio": statistics.median(delta_s) / statistics.median(full_s),
             "fingerprints_equal": all(x == y for x, y in fp_pairs),
         })
@@ -127,16 +152,20 @@ def _markdown(result: dict[str, Any]) -> str:
         "",
         f"{env['date']}; {env['cpu']} ({env['cpu_count']} cores); torch {env['torch']}, Python {env['python']}.",
         f"Command: `{env['command']}`. Model: {result['num_tensors']} tensors, {result['full_bytes'] / 1e6:.1f} MB "
-        f"in bf16; {result['repeats']} repeats x 2 directions, median; bucket {result['bucket_bytes'] >> 20} MiB.",
-        "Time: `send()` to the engines' agreed commit, full sync of the same version measured in the same run.",
+        f"in bf16; {result['repeats']} repeats x 2 directions, median; bucket {result['bucket_bytes'] >> 20} MiB; "
+        f"{result.get('threads', 'default')} torch thread(s) per rank.",
+        "Time: wall time of `send()` (the delta's encode included) to the engines' agreed commit, full sync "
+        "of the same version measured in the same run; 'delta from start' leaves out the encode (the "
+        "transport's `TransferReport.seconds`).",
         "",
-        "| scenario | changed | wire bytes | wire / full | delta s | full s | time delta / full | engine equal |",
-        "|---|---|---|---|---|---|---|---|",
+        "| scenario | changed | wire bytes | wire / full | delta s | delta from start s | full s "
+        "| time delta / full | engine equal |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         lines.append(
             f"| {r['scenario']} | {r['changed_fraction']:.2%} | {r['wire_bytes'] / 1e6:.2f} MB | "
-            f"{r['wire_ratio']:.3f} | {r['delta_s']:.3f} | {r['full_s']:.3f} | {r['time_ratio']:.2f}x | "
+            f"{r['wire_ratio']:.3f} | {r['delta_s']:.3f} | {r['delta_transfer_s']:.3f} | {r['full_s']:.3f} | {r['time_ratio']:.2f}x | "
             f"{r['fingerprints_equal']} |"
         )
     lines += ["", "Engine equal: every delta's engine fingerprint equals the full update's of the same weights.", ""]
@@ -151,15 +180,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bucket-mib", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tag", default="cpu")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="write a cProfile of each rank to DIR/rank<N>.prof (times include the profiler)")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="ws-bench-delta-") as tmp:
         ckpt = make_checkpoint(Path(tmp) / "ckpt", preset=args.preset, seed=args.seed, dtype=torch.float32)
         spec = {"ckpt": str(ckpt), "quantization": args.quantization, "repeats": args.repeats,
                 "bucket_bytes": args.bucket_mib << 20, "seed": args.seed,
-                "num_scenarios": len(LRS) + len(DENSITIES)}
+                "num_scenarios": len(LRS) + len(DENSITIES), "profile": args.profile, "threads": args.threads}
         out = run_distributed(bench_rank, 2, spec, timeout_s=3600)
     rows = out[0]["rows"]
     result = {"environment": environment(), "preset": args.preset, "quantization": args.quantization,
+              "threads": args.threads,
               "repeats": args.repeats, "bucket_bytes": args.bucket_mib << 20, "num_tensors": out[0]["num_tensors"],
               "full_bytes": rows[0]["full_bytes"], "rows": rows}
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -100,7 +100,7 @@ def test_each_chunk_picks_the_smallest_form_and_dense_chunks_go_plain() -> None:
     base = torch.zeros(4 * 1024, dtype=torch.bfloat16)
     new = base.clone()
     new[1024 + 5] = 1.0  # chunk 1: one change -> index
-    new[2048 : 2048 + 400 : 2] = 1.0  # chunk 2: 200 changes -> bitmask (128 B + 400 B < 200 * 6 B)
+    new[2048 : 2048 + 400 : 2] = 1.0  # chunk 2: 200 changes -> bitmask (128 B + 400 B < 200 * 4 B)
     new[3072:] = 1.0  # chunk 3: every element -> plain
     stats = delta_stats(encode_delta(new, base, chunk_elems=1024), new.numel(), new.dtype)
     assert stats.chunks == (1, 1, 1, 1)
@@ -122,3 +122,15 @@ def test_a_payload_for_another_tensor_is_refused_naming_what_differs() -> None:
         encode_delta(base, base[:10])
     with pytest.raises(ConfigError, match="chunk_elems"):
         encode_delta(base, base, chunk_elems=12)
+
+
+def test_a_payload_with_a_repeated_index_offset_is_refused_before_any_write() -> None:
+    base = torch.zeros(100)
+    new = base.clone()
+    new[[3, 40]] = 1.0  # one index chunk: int16 offsets at bytes 24..28 (header 16 + table 8)
+    enc = encode_delta(new, base)
+    enc[26:28] = enc[24:26]  # offset 40 -> 3
+    target = base.clone()
+    with pytest.raises(LayoutMismatchError, match="repeat"):
+        apply_delta_(target, enc)
+    assert torch.equal(target, base)

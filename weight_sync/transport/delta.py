@@ -9,7 +9,8 @@ smallest of four forms, from its element count ``n``, its changed count ``k`` an
 
 - *same*: nothing changed (0 bytes beyond the table entry);
 - *bitmask*: ``chunk_elems / 8`` bytes of change bits + the ``k`` new values (``k * s``);
-- *index*: ``k`` int32 offsets inside the chunk + the ``k`` new values (``4k + k * s``);
+- *index*: ``k`` offsets inside the chunk + the ``k`` new values (``2k + k * s``; offsets are int16,
+  stored as ``offset - 32768``, for chunks of up to 64 Ki elements, int32 (``4k``) for larger ones);
 - *plain*: all ``n`` new values (``n * s``): chosen whenever the encoding would not be smaller.
 
 Wire layout (one uint8 tensor, self-describing; every region starts on an 8-byte boundary)::
@@ -17,14 +18,15 @@ Wire layout (one uint8 tensor, self-describing; every region starts on an 8-byte
     int32[4]   magic, chunk_elems, num_chunks, item size
     int32[2c]  (form, k) per chunk
     uint8[]    bitmasks of the bitmask chunks, chunk order (chunk_elems / 8 bytes each)
-    int32[]    offsets of the index chunks, chunk order
-    item[]     new values of the changed elements of bitmask and index chunks, in element order
+    int16[]    offsets of the index chunks, chunk order (int32 for chunks over 64 Ki elements)
+    item[]     new values of the changed elements of the bitmask chunks, then of the index chunks,
+               each group in element order
     item[]     every value of the plain chunks, chunk order
 
 Grouping the regions by form (instead of chunk by chunk) makes both directions a handful of vectorized
 tensor operations whatever the number of chunks: no Python loop over chunks, the same code on CPU and
-CUDA. Limitations: tensors of up to 2**31 - 1 elements per chunk offset (offsets are int32, chunks are
-smaller), dtypes of item size 1, 2, 4 or 8 bytes.
+CUDA. Encoding costs one compare pass and one ``nonzero``; the rest works on the changed positions and
+the per-chunk table. Limitations: chunks below 2**31 elements, dtypes of item size 1, 2, 4 or 8 bytes.
 """
 
 from __future__ import annotations
@@ -48,9 +50,9 @@ __all__ = [
     "encode_delta",
 ]
 
-MAGIC = 0x31445357  # "WSD1" little-endian
+MAGIC = 0x32445357  # "WSD2" little-endian (WSD1 had int32 offsets for every chunk size)
 FORM_SAME, FORM_BITMASK, FORM_INDEX, FORM_PLAIN = 0, 1, 2, 3
-# 64 Ki elements: a bitmask chunk costs 8 KiB of bits, so a chunk with more than ~2k changes (3%) of
+# 64 Ki elements: a bitmask chunk costs 8 KiB of bits, so a chunk with more than 4Ki changes (6.25%) of
 # bf16 prefers the bitmask; small enough that a dense corner of a tensor goes plain on its own.
 DEFAULT_CHUNK_ELEMS = 1 << 16
 _HEADER_INTS = 4
@@ -75,11 +77,7 @@ def _as_int(t: torch.Tensor) -> torch.Tensor:
 
 def changed_mask(new: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
     """Flat bool mask of the elements whose bytes differ between ``new`` and ``base`` (same dtype, shape)."""
-    if new.dtype != base.dtype or new.shape != base.shape:
-        raise LayoutMismatchError(
-            f"delta base must match the new tensor: expected {tuple(new.shape)} {new.dtype}, "
-            f"got {tuple(base.shape)} {base.dtype}"
-        )
+    _check_pair(new, base)
     return _as_int(new.contiguous()) != _as_int(base.contiguous().to(new.device))
 
 
@@ -94,10 +92,29 @@ class DeltaStats:
     plain_nbytes: int
 
 
+def _offset_bytes(chunk_elems: int) -> int:
+    """Width of an index chunk's offsets: 2 bytes while every offset fits 16 bits (chunks of up to
+    64 Ki elements, the default), else 4. Halves the index bytes, the usual form at low density."""
+    return 2 if chunk_elems <= 1 << 16 else 4
+
+
+def _pack_offsets(offsets: torch.Tensor, chunk_elems: int) -> torch.Tensor:
+    if _offset_bytes(chunk_elems) == 2:
+        # 0..65535 shifted into int16's range (no uint16 arithmetic needed on either side).
+        return (offsets - 32768).to(torch.int16)
+    return offsets.to(torch.int32)
+
+
+def _unpack_offsets(raw: torch.Tensor, chunk_elems: int) -> torch.Tensor:
+    if _offset_bytes(chunk_elems) == 2:
+        return raw.view(torch.int16).to(torch.int64) + 32768
+    return raw.view(torch.int32).to(torch.int64)
+
+
 def _forms(counts: torch.Tensor, sizes: torch.Tensor, chunk_elems: int, item: int) -> torch.Tensor:
     """Per chunk the cheapest form (ties go to the simpler one: same < plain < index < bitmask)."""
     bitmask = chunk_elems // 8 + counts * item
-    index = counts * (4 + item)
+    index = counts * (_offset_bytes(chunk_elems) + item)
     plain = sizes * item
     form = torch.full_like(counts, FORM_PLAIN)
     form = torch.where(index < plain, torch.full_like(counts, FORM_INDEX), form)
@@ -106,46 +123,108 @@ def _forms(counts: torch.Tensor, sizes: torch.Tensor, chunk_elems: int, item: in
     return torch.where(counts == 0, torch.full_like(counts, FORM_SAME), form)
 
 
+def _chunk_sizes(num_chunks: int, chunk_elems: int, numel: int) -> torch.Tensor:
+    sizes = torch.full((num_chunks,), chunk_elems, dtype=torch.int64)
+    if num_chunks:
+        sizes[-1] = numel - (num_chunks - 1) * chunk_elems
+    return sizes
+
+
+def _plain_positions(plain_chunks: torch.Tensor, chunk_elems: int, numel: int, dev: torch.device) -> torch.Tensor:
+    """Flat positions of the plain chunks' elements, in order (only built when some chunks are plain)."""
+    idx = (plain_chunks.to(dev).view(-1, 1) * chunk_elems + torch.arange(chunk_elems, device=dev)).reshape(-1)
+    return idx[idx < numel] if plain_chunks.numel() and int(plain_chunks[-1]) * chunk_elems + chunk_elems > numel else idx
+
+
+def _divmod(x: torch.Tensor, chunk_elems: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chunk, offset) of flat positions: shifts for a power-of-two chunk (the default), far cheaper
+    than int64 division on CPU."""
+    if chunk_elems & (chunk_elems - 1) == 0:
+        return x >> (chunk_elems.bit_length() - 1), x & (chunk_elems - 1)
+    return x // chunk_elems, x % chunk_elems
+
+
+def _check_pair(new: torch.Tensor, base: torch.Tensor) -> None:
+    if new.dtype != base.dtype or new.shape != base.shape:
+        raise LayoutMismatchError(
+            f"delta base must match the new tensor: expected {tuple(new.shape)} {new.dtype}, "
+            f"got {tuple(base.shape)} {base.dtype}"
+        )
+
+
 def encode_delta(
     new: torch.Tensor, base: torch.Tensor, *, chunk_elems: int = DEFAULT_CHUNK_ELEMS
 ) -> torch.Tensor:
     """Encode ``new`` as its byte changes against ``base``: a uint8 tensor on ``new``'s device.
 
     ``apply_delta_(base, encoded)`` then makes ``base`` bitwise equal to ``new``.
+
+    Cost: one compare pass over both tensors and one ``nonzero``; everything after works on the
+    changed positions (``k``) and the per-chunk table, not on full-size masks.
     """
     if chunk_elems < 8 or chunk_elems % 8 or chunk_elems >= 1 << 31:
         raise ConfigError(f"chunk_elems must be a positive multiple of 8 below 2**31, got {chunk_elems}")
-    mask = changed_mask(new, base)
+    _check_pair(new, base)
     vals = _as_int(new.contiguous())
+    old = _as_int(base.contiguous().to(new.device))
     numel, item, dev = vals.numel(), new.dtype.itemsize, vals.device
     num_chunks = -(-numel // chunk_elems)
-    padded = torch.zeros(num_chunks * chunk_elems, dtype=torch.bool, device=dev)
-    padded[:numel] = mask
-    grid = padded.view(num_chunks, chunk_elems)
-    counts = grid.sum(1, dtype=torch.int64)
-    sizes = torch.full((num_chunks,), chunk_elems, dtype=torch.int64, device=dev)
-    if num_chunks:
-        sizes[-1] = numel - (num_chunks - 1) * chunk_elems
-    form = _forms(counts, sizes, chunk_elems, item)
-    elem_form = form.repeat_interleave(chunk_elems)[:numel]
+    ce = chunk_elems
+    pos = torch.nonzero(vals != old).reshape(-1)  # sorted: element order
+    # Changes per chunk from the sorted positions: a binary search per chunk boundary, no pass over k.
+    # The per-chunk table is tiny (one entry per 64 Ki elements): decided on the host.
+    bounds = torch.arange(num_chunks + 1, dtype=torch.int64, device=dev) * ce
+    counts = torch.searchsorted(pos, bounds).diff().cpu()
+    form = _forms(counts, _chunk_sizes(num_chunks, ce, numel), ce, item)
+    is_bm, is_ix, is_pl = form == FORM_BITMASK, form == FORM_INDEX, form == FORM_PLAIN
+    n_bm, n_ix, n_pl = int(is_bm.sum()), int(is_ix.sum()), int(is_pl.sum())
+    empty8 = torch.empty(0, dtype=torch.uint8, device=dev)
+    bitmask, offsets, sparse_vals, plain_vals = empty8, empty8, empty8, empty8
+    if n_pl == num_chunks:
+        plain_vals = vals.view(torch.uint8)  # every chunk plain: the tensor itself
+    elif pos.numel():
+        # Per changed element its chunk's form, unless one form covers every chunk.
+        elem_form = None if num_chunks in (n_bm, n_ix) else form.repeat_interleave(counts).to(dev)
 
-    bits = grid[form == FORM_BITMASK].view(-1, chunk_elems // 8, 8).to(torch.uint8)
-    bitmask = (bits * _BITS.to(dev)).sum(2, dtype=torch.uint8).reshape(-1)
-    index_pos = torch.nonzero(mask & (elem_form == FORM_INDEX)).reshape(-1)
-    offsets = (index_pos % chunk_elems).to(torch.int32)
-    sparse_vals = vals[mask & ((elem_form == FORM_BITMASK) | (elem_form == FORM_INDEX))]
-    plain_vals = vals[elem_form == FORM_PLAIN]
+        def pick(kind: int) -> torch.Tensor:
+            return pos if elem_form is None else pos[elem_form == kind]
+
+        # Values of the bitmask chunks first, then of the index chunks: each group decodes to its
+        # positions in element order, so the engine writes both without sorting.
+        vals_parts = []
+        if n_bm:
+            sel_b = pick(FORM_BITMASK)
+            c, within = _divmod(sel_b, ce)
+            # Bit position inside the concatenated bitmasks: the chunk's rank among bitmask chunks.
+            rank = (torch.cumsum(is_bm, 0) - 1).to(dev)
+            bitpos = rank[c] * ce + within
+            bitmask = torch.zeros(n_bm * ce // 8, dtype=torch.uint8, device=dev)
+            # Distinct bits of a byte: their sum is their OR.
+            bitmask.index_put_((bitpos >> 3,), _BITS.to(dev)[bitpos & 7], accumulate=True)
+            vals_parts.append(vals[sel_b])
+        if n_ix:
+            sel = pick(FORM_INDEX)
+            offsets = _pack_offsets(_divmod(sel, ce)[1], ce).view(torch.uint8)
+            vals_parts.append(vals[sel])
+        if vals_parts:
+            sparse_vals = (vals_parts[0] if len(vals_parts) == 1 else torch.cat(vals_parts)).view(torch.uint8)
+        if n_pl:
+            plain_vals = vals[_plain_positions(is_pl.nonzero().reshape(-1), ce, numel, dev)].view(torch.uint8)
 
     table = torch.stack([form, counts], 1).to(torch.int32).reshape(-1)
-    header = torch.tensor([MAGIC, chunk_elems, num_chunks, item], dtype=torch.int32, device=dev)
-    parts = [header.view(torch.uint8), table.view(torch.uint8), bitmask, offsets.view(torch.uint8),
-             sparse_vals.view(torch.uint8), plain_vals.view(torch.uint8)]
+    header = torch.tensor([MAGIC, chunk_elems, num_chunks, item], dtype=torch.int32)
+    head = torch.cat([header, table]).view(torch.uint8).to(dev)
+    parts = [head, bitmask, offsets, sparse_vals, plain_vals]
     total = sum(_align8(p.numel()) for p in parts)
-    out = torch.zeros(total, dtype=torch.uint8, device=dev)
-    pos = 0
-    for p in parts:
-        out[pos : pos + p.numel()] = p
-        pos += _align8(p.numel())
+    out = torch.empty(total, dtype=torch.uint8, device=dev)
+    pos_out = 0
+    for part in parts:
+        n = part.numel()
+        out[pos_out : pos_out + n] = part
+        padded = _align8(n)
+        if padded > n:
+            out[pos_out + n : pos_out + padded] = 0
+        pos_out += padded
     return out
 
 
@@ -153,7 +232,7 @@ def encode_delta(
 class _Parsed:
     chunk_elems: int
     num_chunks: int
-    form: torch.Tensor  # int64 per chunk, on the payload's device
+    form: torch.Tensor  # int64 per chunk, on the host (the table is read there anyway)
     counts: torch.Tensor
     regions: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # bitmask, offsets, sparse, plain
 
@@ -165,26 +244,29 @@ def _parse(payload: torch.Tensor, numel: int, dtype: torch.dtype) -> _Parsed:
             f"delta payload must be a 1-D uint8 tensor of at least 16 bytes, got {tuple(payload.shape)} {payload.dtype}"
         )
     # The header and table are the only host reads: a few bytes per chunk.
-    magic, chunk_elems, num_chunks, item = (int(x) for x in payload[:16].view(torch.int32).tolist())
+    magic, chunk_elems, num_chunks, item = (int(x) for x in payload[:16].cpu().view(torch.int32).tolist())
     item_want = dtype.itemsize
-    if magic != MAGIC or item != item_want or num_chunks != -(-numel // max(chunk_elems, 1)):
+    if magic != MAGIC or item != item_want or chunk_elems < 8 or num_chunks != -(-numel // chunk_elems):
         raise LayoutMismatchError(
             f"delta payload header: expected magic {MAGIC:#x}, item size {item_want}, chunks for {numel} "
             f"elements; got magic {magic:#x}, item size {item}, {num_chunks} chunks of {chunk_elems}"
         )
     pos = 16
     table_bytes = num_chunks * 8
-    table = payload[pos : pos + table_bytes].view(torch.int32).view(num_chunks, 2).to(torch.int64)
+    if payload.numel() < pos + table_bytes:
+        raise LayoutMismatchError(f"delta payload: {payload.numel()} bytes cannot hold a table of {num_chunks} chunks")
+    table = payload[pos : pos + table_bytes].cpu().view(torch.int32).view(num_chunks, 2).to(torch.int64)
     pos += _align8(table_bytes)
     form, counts = table[:, 0], table[:, 1]
-    host = torch.stack([form, counts]).cpu()
-    f_h, c_h = host[0], host[1]
-    n_bitmask = int((f_h == FORM_BITMASK).sum())
-    n_index_vals = int(c_h[f_h == FORM_INDEX].sum())
-    n_sparse = int(c_h[(f_h == FORM_BITMASK) | (f_h == FORM_INDEX)].sum())
-    plain_chunks = (f_h == FORM_PLAIN).nonzero().reshape(-1)
-    n_plain = sum(min(chunk_elems, numel - int(c) * chunk_elems) for c in plain_chunks)
-    lengths = (n_bitmask * (chunk_elems // 8), n_index_vals * 4, n_sparse * item, n_plain * item)
+    is_pl = form == FORM_PLAIN
+    n_bitmask = int((form == FORM_BITMASK).sum())
+    n_index_vals = int(counts[form == FORM_INDEX].sum())
+    n_sparse = int(counts[(form == FORM_BITMASK) | (form == FORM_INDEX)].sum())
+    n_plain = int(is_pl.sum()) * chunk_elems
+    if num_chunks and bool(is_pl[-1]):
+        n_plain -= num_chunks * chunk_elems - numel  # the last chunk is short
+    off_bytes = _offset_bytes(chunk_elems)
+    lengths = (n_bitmask * (chunk_elems // 8), n_index_vals * off_bytes, n_sparse * item, n_plain * item)
     regions = []
     for n in lengths:
         regions.append(payload[pos : pos + n])
@@ -193,51 +275,82 @@ def _parse(payload: torch.Tensor, numel: int, dtype: torch.dtype) -> _Parsed:
         raise LayoutMismatchError(f"delta payload: the table describes {pos} bytes, the payload has {payload.numel()}")
     int_dtype = _INT_OF_SIZE[item] if dtype != torch.bool else torch.uint8
     bitmask, offsets, sparse, plain = regions
-    return _Parsed(chunk_elems, num_chunks, form, counts,
-                   (bitmask, offsets.view(torch.int32), sparse.view(int_dtype), plain.view(int_dtype)))
+    return _Parsed(chunk_elems, num_chunks, form, counts, (bitmask, offsets, sparse.view(int_dtype), plain.view(int_dtype)))
 
 
 def delta_stats(payload: torch.Tensor, numel: int, dtype: torch.dtype) -> DeltaStats:
     """Describe an encoding of a tensor of ``numel`` elements of ``dtype`` (plain chunks count as changed)."""
     p = _parse(payload, numel, dtype)
-    f = p.form.cpu()
+    f = p.form
     per_form = tuple(int((f == k).sum()) for k in (FORM_SAME, FORM_BITMASK, FORM_INDEX, FORM_PLAIN))
-    changed = int(p.counts.cpu()[f != FORM_PLAIN].sum()) + p.regions[3].numel()
+    changed = int(p.counts[f != FORM_PLAIN].sum()) + p.regions[3].numel()
     return DeltaStats(numel, changed, per_form, payload.numel(), numel * dtype.itemsize)  # type: ignore[arg-type]
 
 
-def apply_delta_(base: torch.Tensor, payload: torch.Tensor) -> torch.Tensor:
-    """Write an encoding into ``base`` in place; returns the flat int64 positions whose bytes changed.
+def _sparse_positions(p: _Parsed, numel: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat positions of the bitmask chunks' changes and of the index chunks' changes, each in element
+    order (the order of their values in the sparse region), checked against the region and the tensor."""
+    ce = p.chunk_elems
+    bitmask, offsets, sparse, _ = p.regions
+    bpos = ipos = torch.empty(0, dtype=torch.int64, device=dev)
+    if bitmask.numel():
+        bm_chunks = (p.form == FORM_BITMASK).nonzero().reshape(-1).to(dev)
+        hit = ((bitmask.view(-1, 1) & _BITS.to(dev)) != 0).view(-1).nonzero().reshape(-1)
+        c, within = _divmod(hit, ce)
+        bpos = bm_chunks[c] * ce + within
+    if offsets.numel():
+        chunks = (p.form == FORM_INDEX).nonzero().reshape(-1)
+        off = _unpack_offsets(offsets, ce)
+        if ce < 1 << 16 and bool((off >= ce).any()):  # int16 offsets cannot exceed a 64 Ki chunk
+            raise LayoutMismatchError(f"delta payload: an index offset is outside its chunk of {ce} elements")
+        ipos = chunks.repeat_interleave(p.counts[chunks]).to(dev) * ce + off
+        # Offsets must increase inside a chunk (a repeat would write one element twice).
+        if ipos.numel() > 1 and bool((ipos[1:] <= ipos[:-1]).any()):
+            raise LayoutMismatchError("delta payload: index offsets repeat or are out of order")
+    if bpos.numel() + ipos.numel() != sparse.numel():
+        raise LayoutMismatchError(
+            f"delta payload: {bpos.numel() + ipos.numel()} changed positions but {sparse.numel()} values"
+        )
+    for part in (bpos, ipos):
+        if part.numel() and int(part[-1]) >= numel:
+            raise LayoutMismatchError(f"delta payload: a changed position lies beyond the tensor's {numel} elements")
+    return bpos, ipos
+
+
+def apply_delta_(base: torch.Tensor, payload: torch.Tensor, *, positions: bool = True) -> torch.Tensor | None:
+    """Write an encoding into ``base`` in place; returns the flat int64 positions whose bytes changed
+    (``None`` with ``positions=False``: the decode alone, no sort of the positions).
 
     The positions are exact (plain chunks are compared against the old bytes before they are
-    overwritten), sorted, on ``base``'s device: what a requantization needs to know.
+    overwritten), sorted, on ``base``'s device: what a requantization needs to know. Everything is
+    checked before the first write: a malformed payload leaves ``base`` untouched.
     """
     if not base.is_contiguous():
         raise LayoutMismatchError(f"delta base must be contiguous, got strides {base.stride()}")
     flat = _as_int(base)
     numel, dev = flat.numel(), flat.device
-    p = _parse(payload.to(dev), numel, base.dtype)
-    ce = p.chunk_elems
-    bitmask, offsets, sparse, plain = p.regions
-    sparse_mask = torch.zeros(p.num_chunks * ce, dtype=torch.bool, device=dev)
-    grid = sparse_mask.view(p.num_chunks, ce)
-    is_bitmask = p.form == FORM_BITMASK
-    if bitmask.numel():
-        bits = (bitmask.view(-1, ce // 8, 1) & _BITS.to(dev)) != 0
-        grid[is_bitmask] = bits.view(-1, ce)
-    is_index = p.form == FORM_INDEX
-    if offsets.numel():
-        chunk_of = torch.nonzero(is_index).reshape(-1).repeat_interleave(p.counts[is_index])
-        sparse_mask[chunk_of * ce + offsets.to(torch.int64)] = True
-    sparse_mask = sparse_mask[:numel]
-    if int(sparse_mask.sum()) != sparse.numel():
-        raise LayoutMismatchError(
-            f"delta payload: {int(sparse_mask.sum())} changed positions but {sparse.numel()} values"
-        )
-    plain_mask = (p.form == FORM_PLAIN).repeat_interleave(ce)[:numel]
-    plain_changed = torch.zeros_like(sparse_mask)
+    payload = payload.to(dev)
+    p = _parse(payload, numel, base.dtype)
+    sparse, plain = p.regions[2], p.regions[3]
+    bpos, ipos = _sparse_positions(p, numel, dev)
+    if plain.numel() == numel:  # every chunk plain
+        changed = torch.nonzero(flat != plain).reshape(-1) if positions else None
+        flat.copy_(plain)
+        return changed
+    if bpos.numel():
+        flat[bpos] = sparse[: bpos.numel()]
+    if ipos.numel():
+        flat[ipos] = sparse[bpos.numel() :]
+    found = [bpos, ipos]
     if plain.numel():
-        plain_changed[plain_mask] = flat[plain_mask] != plain
-        flat[plain_mask] = plain
-    flat[sparse_mask] = sparse
-    return torch.nonzero(sparse_mask | plain_changed).reshape(-1)
+        # Plain and sparse chunks are disjoint: the order of the writes does not matter.
+        plain_pos = _plain_positions((p.form == FORM_PLAIN).nonzero().reshape(-1), p.chunk_elems, numel, dev)
+        if positions:
+            found.append(plain_pos[flat[plain_pos] != plain])
+        flat[plain_pos] = plain
+    if not positions:
+        return None
+    found = [f for f in found if f.numel()]
+    if not found:
+        return bpos
+    return found[0] if len(found) == 1 else torch.cat(found).sort().values

@@ -128,7 +128,7 @@ class DeltaSender:
         report = sender.finish_weight_update()
         # Every engine committed the delta: the base follows with the same bytes.
         for name, enc in zip(manifest.names, encodings):
-            apply_delta_(self.tensors[name], enc)
+            apply_delta_(self.tensors[name], enc, positions=False)
         self.version, self.fingerprints = report.version, list(report.fingerprints)
         self.last_stats = dict(stats, mode="delta")
         return replace(report, delta=self.last_stats)
@@ -159,7 +159,7 @@ class DeltaSender:
         """The new tensors again, one at a time, from the base and the encodings (for the fallback)."""
         for name, enc in zip(manifest.names, encodings):
             t = self.tensors[name].clone()
-            apply_delta_(t, enc)
+            apply_delta_(t, enc, positions=False)
             yield name, t
 
     def _send_full(self, sender: Any, pairs: Iterator[tuple[str, torch.Tensor]], manifest: Manifest,
@@ -247,7 +247,7 @@ class ReceiverDeltaBase:
         base returned), a full tensor is recorded into the base (and returned as it came)."""
         if mode == "delta":
             base = self.tensors[name]
-            apply_delta_(base, t)
+            apply_delta_(base, t, positions=False)  # the session needs the tensor, not the positions
             return base
         slot = self.tensors.get(name)
         if slot is None or slot.dtype != t.dtype or slot.shape != t.shape:
