@@ -169,6 +169,16 @@ def _markdown(result: dict[str, Any]) -> str:
             f"{r['fingerprints_equal']} |"
         )
     lines += ["", "Engine equal: every delta's engine fingerprint equals the full update's of the same weights.", ""]
+    goal = next((r for r in result["rows"] if r["scenario"] == "synthetic 2.0%"), None)
+    if goal is not None:
+        # Issue 18's goals, judged on the 2% row.
+        wire_ok, time_ok = goal["wire_ratio"] <= 0.05, goal["time_ratio"] <= 0.15
+        lines += [
+            f"Goals at 2% density: wire bytes <= 5% of full: {'met' if wire_ok else 'NOT met'} "
+            f"({goal['wire_ratio']:.1%}); sync time <= 0.15x full: {'met' if time_ok else 'NOT met'} "
+            f"({goal['time_ratio']:.2f}x).",
+            "",
+        ]
     return "\n".join(lines)
 
 

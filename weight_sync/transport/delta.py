@@ -170,6 +170,8 @@ def encode_delta(
     numel, item, dev = vals.numel(), new.dtype.itemsize, vals.device
     num_chunks = -(-numel // chunk_elems)
     ce = chunk_elems
+    # One compare and one nonzero: comparing 8-byte words first (4 bf16 each) and splitting only the
+    # changed words was measured too: faster at 0.5% density, slower from 2% on, so not kept.
     pos = torch.nonzero(vals != old).reshape(-1)  # sorted: element order
     # Changes per chunk from the sorted positions: a binary search per chunk boundary, no pass over k.
     # The per-chunk table is tiny (one entry per 64 Ki elements): decided on the host.
@@ -295,6 +297,8 @@ def _sparse_positions(p: _Parsed, numel: int, dev: torch.device) -> tuple[torch.
     bpos = ipos = torch.empty(0, dtype=torch.int64, device=dev)
     if bitmask.numel():
         bm_chunks = (p.form == FORM_BITMASK).nonzero().reshape(-1).to(dev)
+        # Every bit unpacked, one nonzero: bitmask chunks are dense (index wins below 1/16 of a chunk
+        # changed), so splitting only the nonzero bytes was measured slower (18.9 vs 16.3 ms, 4 Mi).
         hit = ((bitmask.view(-1, 1) & _BITS.to(dev)) != 0).view(-1).nonzero().reshape(-1)
         c, within = _divmod(hit, ce)
         bpos = bm_chunks[c] * ce + within
