@@ -147,6 +147,8 @@ class Fp8FusedMoEMethod(FusedMoEMethod):
         """
         group = getattr(layer, "moe_tp_group", None)
         config, block = self.config, self.config.granularity == "block"
+        # Block scales are per tile and never reduced over the group, as in quantize_fp8_experts.
+        qgroup = None if block else group
         for w_name, s_name in self._unit_names:
             # Detached once per call, not per expert.
             w = staging[w_name].detach()
@@ -154,7 +156,7 @@ class Fp8FusedMoEMethod(FusedMoEMethod):
             for j, e in enumerate(units):
                 # Block scales of one expert are [row tiles, col tiles]; a per-tensor scale stays 1-D.
                 dq, ds = qweight[e], (scale[e] if block else scale[e : e + 1])
-                q, s = quantize_fp8(w[j], config, group, out=(dq, ds))
+                q, s = quantize_fp8(w[j], config, qgroup, out=(dq, ds))
                 if q.data_ptr() != dq.data_ptr():
                     dq.copy_(q)
                 if s.data_ptr() != ds.data_ptr():
