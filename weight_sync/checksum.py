@@ -15,7 +15,15 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ChecksumWorkspace", "bucket_checksum", "checksum_value", "prepare_checksum", "reuse_workspace", "tensor_checksum"]
+__all__ = [
+    "ChecksumWorkspace",
+    "bucket_checksum",
+    "checksum_value",
+    "prepare_checksum",
+    "reuse_workspace",
+    "tensor_checksum",
+    "tensor_checksums",
+]
 
 _PERIOD = 65521
 _MASK32 = 0xFFFFFFFF
@@ -141,3 +149,27 @@ def tensor_checksum(t: torch.Tensor) -> int:
         hi = (hi + word) & _MASK32
         lo = (lo + word * ((whole // 4) % _PERIOD + 1)) & _MASK32
     return checksum_value((hi, lo), n)
+
+
+def tensor_checksums(tensors: list[torch.Tensor]) -> list[int]:
+    """``[tensor_checksum(t) for t in tensors]`` with one read-back per device instead of one per tensor.
+
+    Each tensor's two sums stay on its device until all of them are queued, so a model's hundreds of
+    checksums pipeline on the device instead of waiting for each other (a fingerprint of a 399-tensor 8B
+    model spent most of its time in those waits). Tensors whose length is not a multiple of 4 take
+    :func:`tensor_checksum` (their last partial word is read on the host anyway).
+    """
+    out = [0] * len(tensors)
+    pending: dict[torch.device, list[tuple[int, int, torch.Tensor]]] = {}
+    for i, t in enumerate(tensors):
+        flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        n = flat.numel()
+        if n % 4 or n == 0:
+            out[i] = tensor_checksum(t)
+        else:
+            pending.setdefault(flat.device, []).append((i, n, bucket_checksum(flat)))
+    for items in pending.values():
+        halves = torch.stack([h for _, _, h in items]).tolist()
+        for (i, n, _), (hi, lo) in zip(items, halves):
+            out[i] = checksum_value((hi, lo), n)
+    return out

@@ -9,7 +9,7 @@ import torch
 
 from tests.transport.harness import gpu_flipped_byte, gpu_sync
 from tests.transport.test_faults import _run_sender_failure
-from weight_sync.checksum import ChecksumWorkspace
+from weight_sync.checksum import ChecksumWorkspace, tensor_checksums
 from weight_sync.manifest import tensor_checksum
 from weight_sync.testing import run_distributed
 from weight_sync.transport import bucket_checksum, checksum_value
@@ -28,6 +28,12 @@ def test_bucket_checksum_on_cuda_equals_the_cpu_checksum() -> None:
     assert checksum_value(got, data.numel()) == tensor_checksum(data)
     # Only the reductions' own scratch (a few KB), none of the 1.3 MB of intermediates.
     assert torch.cuda.max_memory_allocated() - before < 64 << 10
+
+
+@pytest.mark.gpu
+def test_checksums_of_many_cuda_tensors_at_once_equal_their_cpu_checksums() -> None:
+    tensors = [torch.randn(n, 129).to(torch.bfloat16) for n in (1, 64, 513)] + [torch.randn(3).to(torch.uint8)]
+    assert tensor_checksums([t.cuda() for t in tensors]) == [tensor_checksum(t) for t in tensors]
 
 
 @pytest.mark.multi_gpu

@@ -11,7 +11,7 @@ pytest.importorskip("hypothesis")  # the device machine runs GPU tests without i
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weight_sync.checksum import ChecksumWorkspace, tensor_checksum
+from weight_sync.checksum import ChecksumWorkspace, tensor_checksum, tensor_checksums
 from weight_sync.errors import ConfigError, TransportError
 from weight_sync.transport import TransportConfig, bucket_checksum, checksum_value
 from weight_sync.transport.wire import (
@@ -48,6 +48,16 @@ def test_bucket_checksum_equals_the_checksum_definition(words: int, seed: int) -
 def test_tensor_checksum_equals_the_checksum_definition(shape: tuple[int, ...], dtype: torch.dtype) -> None:
     t = torch.randn(shape).to(dtype)
     assert tensor_checksum(t) == _reference_checksum(t)
+
+
+def test_checksums_of_many_tensors_at_once_equal_each_tensors_own() -> None:
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(shape, generator=g).to(dtype) for shape, dtype in [
+        ((0,), torch.float32), ((3,), torch.uint8), ((7, 5), torch.bfloat16), ((65521 * 2 + 3,), torch.float32),
+        ((16, 16), torch.float8_e4m3fn), ((5,), torch.bfloat16)]]
+    tensors.append(torch.randn(8, 6, generator=g)[:, 1:4])  # not contiguous
+    assert tensor_checksums(tensors) == [_reference_checksum(t) for t in tensors]
+    assert tensor_checksums([]) == []
 
 
 def test_a_flipped_byte_changes_the_bucket_checksum() -> None:

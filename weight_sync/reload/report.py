@@ -9,8 +9,9 @@ from typing import Any
 
 from torch import nn
 
+from weight_sync.checksum import tensor_checksums
 from weight_sync.layers.tensors import iter_graph_visible_tensors
-from weight_sync.manifest import dtype_to_str, tensor_checksum
+from weight_sync.manifest import dtype_to_str
 
 __all__ = ["UpdateReport", "fingerprint"]
 
@@ -80,10 +81,13 @@ def fingerprint(model: nn.Module, checksums: Mapping[int, int] | None = None) ->
         ((name, t) for name, t in iter_graph_visible_tensors(model) if t.device.type != "meta"),
         key=lambda item: item[0],
     )
+    todo = [t for _, t in items if id(t) not in known]
+    computed = dict(zip(map(id, todo), tensor_checksums(todo)))
     for name, t in items:
         h.update(name.encode())
         h.update(dtype_to_str(t.dtype).encode())
         h.update(repr(tuple(t.shape)).encode())
-        value = known.get(id(t))
-        h.update((tensor_checksum(t) if value is None else value).to_bytes(8, "little", signed=False))
+        value = known.get(id(t), computed.get(id(t)))
+        assert value is not None
+        h.update(value.to_bytes(8, "little", signed=False))
     return h.hexdigest()
