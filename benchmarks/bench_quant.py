@@ -19,7 +19,9 @@ It checks ``ours`` bitwise against ``torch`` on the first layer's weights before
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -42,6 +44,26 @@ def linear_shapes(cfg: dict) -> list[tuple[int, int]]:
     q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
     per_layer = [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)]
     return per_layer * cfg["num_hidden_layers"]
+
+
+def scale_shape(shape: tuple[int, int], config: Fp8Config) -> tuple[int, ...]:
+    """The fp32 scales ``quantize_fp8`` makes for a weight of ``shape``."""
+    if config.granularity == "tensor":
+        return (1,)
+    if config.granularity == "channel":
+        return (shape[0],)
+    return tuple(-(-d // b) for d, b in zip(shape, config.block_size))
+
+
+@contextlib.contextmanager
+def torch_formulation() -> Iterator[None]:
+    """Quantize with the torch path (the bits' definition) instead of the Triton kernels."""
+    available = fp8.triton_available
+    fp8.triton_available = lambda: False  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        fp8.triton_available = available  # type: ignore[assignment]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,27 +96,21 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for gran in args.granularities.split(","):
         config = Fp8Config(granularity=gran)
-        scales = [torch.empty_like(quantize_fp8(w, config)[1]) for w in weights]
+        scales = [torch.empty(scale_shape(tuple(w.shape), config), dtype=torch.float32, device=device)
+                  for w in weights]
 
         def ours(config=config, scales=scales) -> None:
             for q, s, w in zip(qs, scales, weights):
                 quantize_fp8(w, config, out=(q, s))
 
         def torch_path(config=config, scales=scales) -> None:
-            available = fp8.triton_available
-            fp8.triton_available = lambda: False  # type: ignore[assignment]
-            try:
+            with torch_formulation():
                 ours(config, scales)
-            finally:
-                fp8.triton_available = available  # type: ignore[assignment]
 
         for w in weights[:4]:  # the bits are the torch path's
             a_q, a_s = quantize_fp8(w, config)
-            fp8.triton_available, saved = (lambda: False), fp8.triton_available  # type: ignore[assignment]
-            try:
+            with torch_formulation():
                 b_q, b_s = quantize_fp8(w, config)
-            finally:
-                fp8.triton_available = saved  # type: ignore[assignment]
             if not (torch.equal(a_q.view(torch.uint8), b_q.view(torch.uint8)) and torch.equal(a_s, b_s)):
                 raise SystemExit(f"{gran}: the fast path differs from the torch path on a {tuple(w.shape)} weight")
         ours_s = median(timed(ours, device, args.repeats))

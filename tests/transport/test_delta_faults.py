@@ -38,13 +38,19 @@ def _nudged(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def trainer(ckpt: str, num_receivers: int, addresses: Any, results: Any) -> None:
-    """v1 in full (it becomes the delta base), then v2 as a delta that dies after KILL_AFTER tensors."""
+def _connected_delta_sender(num_receivers: int, addresses: Any) -> WeightSender:
+    """A delta sender whose address every engine gets from ``addresses``, connected to all of them."""
     sender = WeightSender(TransportConfig(backend="gloo", bucket_bytes=16 << 10, timeout_s=TIMEOUT_S, delta=True,
                                           delta_chunk_elems=1024), num_receivers=num_receivers)
     for _ in range(num_receivers):
         addresses.put(sender.address)
     sender.connect()
+    return sender
+
+
+def trainer(ckpt: str, num_receivers: int, addresses: Any, results: Any) -> None:
+    """v1 in full (it becomes the delta base), then v2 as a delta that dies after KILL_AFTER tensors."""
+    sender = _connected_delta_sender(num_receivers, addresses)
     v1 = dict(CheckpointSource(ckpt))
     manifest = Manifest.from_named_tensors(v1.items())
     report = sender.send(v1.items(), manifest, version=1)
@@ -69,11 +75,7 @@ def trainer(ckpt: str, num_receivers: int, addresses: Any, results: Any) -> None
 
 def healthy_trainer(ckpt: str, num_receivers: int, addresses: Any, results: Any) -> None:
     """The reconnected trainer: a new sender has no base, so v2 goes in full."""
-    sender = WeightSender(TransportConfig(backend="gloo", bucket_bytes=16 << 10, timeout_s=TIMEOUT_S, delta=True,
-                                          delta_chunk_elems=1024), num_receivers=num_receivers)
-    for _ in range(num_receivers):
-        addresses.put(sender.address)
-    sender.connect()
+    sender = _connected_delta_sender(num_receivers, addresses)
     v1 = dict(CheckpointSource(ckpt))
     report = sender.send(_nudged(v1).items(), Manifest.from_named_tensors(v1.items()), version=2)
     results.put(("v2", 0, report.delta["mode"]))

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from weight_sync.checksum import tensor_checksum
+from weight_sync.checksum import tensor_checksums
 from weight_sync.reload.report import fingerprint
 
 if TYPE_CHECKING:
@@ -34,7 +34,8 @@ def offload_fingerprint(handle: OffloadHandle, module: nn.Module) -> str:
         for lay in handle.layouts:
             streamer.load_into(lay.index, buf)
             handle.shim.synchronize()
-            for p in lay.placements:
-                sums[id(p.tensor)] = tensor_checksum(p.view(buf))
+            # Read back before the next block reuses the buffer (tensor_checksums waits for its sums).
+            sums.update(zip((id(p.tensor) for p in lay.placements),
+                            tensor_checksums([p.view(buf) for p in lay.placements])))
         del buf
     return fingerprint(module, sums)

@@ -75,19 +75,17 @@ def fingerprint(model: nn.Module, checksums: Mapping[int, int] | None = None) ->
     computed elsewhere, by tensor ``id`` (an offloaded model's streamed blocks, checksummed where their
     served bytes are), used in place of reading those tensors.
     """
-    known = checksums or {}
+    sums = dict(checksums or {})
     h = hashlib.sha256()
     items = sorted(
         ((name, t) for name, t in iter_graph_visible_tensors(model) if t.device.type != "meta"),
         key=lambda item: item[0],
     )
-    todo = [t for _, t in items if id(t) not in known]
-    computed = dict(zip(map(id, todo), tensor_checksums(todo)))
+    todo = [t for _, t in items if id(t) not in sums]
+    sums.update(zip(map(id, todo), tensor_checksums(todo)))
     for name, t in items:
         h.update(name.encode())
         h.update(dtype_to_str(t.dtype).encode())
         h.update(repr(tuple(t.shape)).encode())
-        value = known.get(id(t), computed.get(id(t)))
-        assert value is not None
-        h.update(value.to_bytes(8, "little", signed=False))
+        h.update(sums[id(t)].to_bytes(8, "little", signed=False))
     return h.hexdigest()
