@@ -12,17 +12,20 @@ graph; no shared experts.
 """
 
 from weight_sync.engine.config import SUPPORTED_ARCHITECTURES, ModelConfig
-from weight_sync.engine.engine import ReferenceEngine
+from weight_sync.engine.engine import KV_AFTER_COMMIT, ReferenceEngine, Rollout, VersionSpan
 from weight_sync.engine.model import CausalLM
 from weight_sync.engine.moe import FusedMoE, SparseMoeBlock
 from weight_sync.engine.parallel import TPInfo
 
 __all__ = [
+    "KV_AFTER_COMMIT",
     "SUPPORTED_ARCHITECTURES",
     "CausalLM",
     "FusedMoE",
     "ModelConfig",
     "ReferenceEngine",
+    "Rollout",
     "SparseMoeBlock",
     "TPInfo",
+    "VersionSpan",
 ]

@@ -3,15 +3,21 @@
 Decode runs on static buffers (token ids, pad offsets, the slot being written) so that one code path serves
 eager execution and CUDA-graph replay; on CUDA the decode step is captured once and replayed for every
 token. Updates write into the tensors the graph was captured with, so no recapture is ever needed.
+
+Asynchronous updates (:meth:`ReferenceEngine.enable_staging`): updates land on a staging twin while the
+engine generates; between two decode steps the engine commits a staged version (an in-place copy into the
+live tensors), so every token is computed with exactly one version, and
+:meth:`ReferenceEngine.generate_with_versions` says which version produced which tokens.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -19,12 +25,44 @@ import torch.distributed as dist
 from weight_sync.engine.config import ModelConfig
 from weight_sync.engine.model import CausalLM, KVCache
 from weight_sync.engine.parallel import TPInfo
-from weight_sync.errors import ConfigError
+from weight_sync.errors import ConfigError, UpdateStateError
 from weight_sync.quant.registry import resolve_quantization
 
-__all__ = ["ReferenceEngine"]
+if TYPE_CHECKING:
+    from weight_sync.reload.staged import CommitReport, StagedWeights, StagingConfig
+
+__all__ = ["KV_AFTER_COMMIT", "ReferenceEngine", "Rollout", "VersionSpan"]
+
+#: What a commit in the middle of a sequence does to its KV cache: 'recompute' (prefill the prompt and
+#: the tokens so far with the new weights) or 'keep' (continue on the KV the old version computed).
+KV_AFTER_COMMIT = ("recompute", "keep")
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class VersionSpan:
+    """Output tokens ``[start, end)`` were computed with the weights of ``version`` (vLLM's
+    ``WeightVersionSpan``)."""
+
+    version: Any
+    start: int
+    end: int
+
+
+@dataclass(frozen=True, slots=True)
+class Rollout:
+    """One generated sequence: its new tokens and the versions that produced them, in order."""
+
+    token_ids: list[int]
+    weight_versions: tuple[VersionSpan, ...]
+
+    def version_of(self, index: int) -> Any:
+        """The version that produced output token ``index``."""
+        for span in self.weight_versions:
+            if span.start <= index < span.end:
+                return span.version
+        raise IndexError(f"token index {index} is outside [0, {len(self.token_ids)})")
 
 
 class ReferenceEngine:
@@ -63,6 +101,10 @@ class ReferenceEngine:
         self._graph: torch.cuda.CUDAGraph | None = None
         self.num_graph_replays = 0
         self.last_report: Any = None
+        self.staging: StagedWeights | None = None
+        self.kv_after_commit = "recompute"
+        self.last_commit: CommitReport | None = None
+        self._generating = False
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -192,6 +234,58 @@ class ReferenceEngine:
 
         return fingerprint(self.model)
 
+    @property
+    def weight_version(self) -> Any:
+        """The version the engine serves (the last committed update's; None before any)."""
+        from weight_sync.reload.state import get_state
+
+        return get_state(self.model, create=True).version
+
+    # ------------------------------------------------------------------ asynchronous updates
+    def enable_staging(
+        self, config: StagingConfig | None = None, *, kv_after_commit: str = "recompute"
+    ) -> StagedWeights:
+        """Take updates on a staging twin while generating; commit them between decode steps.
+
+        Returns the :class:`~weight_sync.reload.staged.StagedWeights` to update (directly with its
+        ``begin_update``, or as a WeightReceiver's target). ``kv_after_commit``: see KV_AFTER_COMMIT.
+        """
+        from weight_sync.reload.staged import StagedWeights
+
+        if kv_after_commit not in KV_AFTER_COMMIT:
+            raise ConfigError(f"kv_after_commit must be one of {KV_AFTER_COMMIT}, got {kv_after_commit!r}")
+        if self.staging is not None:
+            raise UpdateStateError("staging is already enabled on this engine")
+        model = self.model
+
+        def build(device: torch.device) -> CausalLM:
+            return CausalLM(self.config, tp=model.tp, quantization=self.quantization, device=device,
+                            expert_parallel=model.expert_parallel)
+
+        self.staging = StagedWeights(model, build, config=config)
+        self.kv_after_commit = kv_after_commit
+        return self.staging
+
+    def commit_staged(self) -> CommitReport | None:
+        """Commit a staged version now (generate does so by itself between steps); None if none."""
+        if self._generating:
+            raise UpdateStateError("commit_staged() while generate() runs: the engine commits between "
+                                   "decode steps on its own")
+        return self.last_commit if self._commit_pending() else None
+
+    def _commit_pending(self) -> bool:
+        st = self.staging
+        if st is None or not st.has_pending():
+            return False
+        report = st.commit()
+        if report is None:
+            return False
+        self.last_commit = report
+        self.last_report = st.last_report
+        log.debug("committed staged version %r in %.3f ms (%d bytes)", report.version,
+                  report.seconds * 1e3, report.num_bytes)
+        return True
+
     # ------------------------------------------------------------------ inference
     def _check_servable(self) -> None:
         """Refuse to serve half-written weights: an update open on the model, or a torn model."""
@@ -277,7 +371,6 @@ class ReferenceEngine:
         self._graph.replay()
         self.num_graph_replays += 1
 
-    @torch.no_grad()
     def generate(
         self,
         prompt_token_ids: Sequence[Sequence[int]],
@@ -291,7 +384,27 @@ class ReferenceEngine:
         temperature 0 (default) is greedy; > 0 samples from softmax(logits / temperature) with a
         generator seeded by ``seed`` (reproducible rollouts).
         """
-        self._check_servable()
+        return [r.token_ids for r in self.generate_with_versions(
+            prompt_token_ids, max_new_tokens, temperature=temperature, seed=seed)]
+
+    @torch.no_grad()
+    def generate_with_versions(
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        *,
+        temperature: float = 0.0,
+        seed: int | None = None,
+        on_step: Callable[[int], None] | None = None,
+    ) -> list[Rollout]:
+        """:meth:`generate`, with the weight versions that produced each sequence's tokens.
+
+        With staging enabled, a staged version is committed before the prefill and between any two
+        decode steps; the tokens after it come from the new version (see ``kv_after_commit``).
+        ``on_step(n)`` runs at every step boundary of a batch, once ``n`` tokens of it exist (1 ..
+        max_new_tokens - 1), before the engine looks for a staged version: a caller may update the
+        engine there (the pause-for-the-whole-update mode) or stage a version to be committed at once.
+        """
         prompts = [list(p) for p in prompt_token_ids]
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -303,10 +416,14 @@ class ReferenceEngine:
         if temperature > 0:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(0 if seed is None else seed)
-        out: list[list[int]] = []
-        for i in range(0, len(prompts), self.max_batch_size):
-            batch = prompts[i : i + self.max_batch_size]
-            out.extend(self._generate_batch(batch, max_new_tokens, temperature, gen))
+        out: list[Rollout] = []
+        self._generating = True
+        try:
+            for i in range(0, len(prompts), self.max_batch_size):
+                batch = prompts[i : i + self.max_batch_size]
+                out.extend(self._generate_batch(batch, max_new_tokens, temperature, gen, on_step))
+        finally:
+            self._generating = False
         return out
 
     @staticmethod
@@ -316,22 +433,13 @@ class ReferenceEngine:
         probs = torch.softmax(logits.float() / temperature, dim=-1)
         return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
 
-    def _generate_batch(
-        self, prompts: list[list[int]], max_new_tokens: int, temperature: float,
-        gen: torch.Generator | None,
-    ) -> list[list[int]]:
-        s = self._ensure_static()
-        assert self._cache is not None
-        b = len(prompts)
-        p = max(len(x) for x in prompts)
-        if p + max_new_tokens > self.max_seq_len:
-            raise ValueError(
-                f"prompt length {p} + max_new_tokens {max_new_tokens} exceeds max_seq_len {self.max_seq_len}"
-            )
+    def _prefill(self, rows: list[list[int]], pads: torch.Tensor, temperature: float,
+                 gen: torch.Generator | None) -> torch.Tensor:
+        """Fill the KV cache for left-padded ``rows`` (slots 0..len-1); returns the next tokens."""
         dev = self.device
-        pads = torch.tensor([p - len(x) for x in prompts], dtype=torch.long, device=dev)
-        ids = torch.tensor([[0] * (p - len(x)) + x for x in prompts], dtype=torch.long, device=dev)
+        ids = torch.tensor(rows, dtype=torch.long, device=dev)
         self._check_ids(ids)
+        p = ids.shape[1]
         ar = torch.arange(p, device=dev)
         pos = (ar[None] - pads[:, None]).clamp(min=0)
         # Key j is visible to query i when it is a real token (j >= pad) at or before i; a padding query
@@ -341,16 +449,55 @@ class ReferenceEngine:
             p, dtype=torch.bool, device=dev
         )[None]
         h = self.model(ids, pos, mask[:, None], self._cache)
-        nxt = self._pick(self.model.compute_logits(h[:, -1]), temperature, gen)
+        return self._pick(self.model.compute_logits(h[:, -1]), temperature, gen)
+
+    def _generate_batch(
+        self, prompts: list[list[int]], max_new_tokens: int, temperature: float,
+        gen: torch.Generator | None, on_step: Callable[[int], None] | None,
+    ) -> list[Rollout]:
+        s = self._ensure_static()
+        assert self._cache is not None
+        b = len(prompts)
+        p = max(len(x) for x in prompts)
+        if p + max_new_tokens > self.max_seq_len:
+            raise ValueError(
+                f"prompt length {p} + max_new_tokens {max_new_tokens} exceeds max_seq_len {self.max_seq_len}"
+            )
+        padded = [[0] * (p - len(x)) + x for x in prompts]
+        pads = torch.tensor([p - len(x) for x in prompts], dtype=torch.long, device=self.device)
+        self._commit_pending()
+        self._check_servable()
+        # (version, first output index) for every version that produced tokens of this batch.
+        starts = [(self.weight_version, 0)]
+        nxt = self._prefill(padded, pads, temperature, gen)
         result = [[int(t)] for t in nxt.tolist()]
         s["pad"].zero_()
         s["pad"][:b].copy_(pads)
         s["ids"].zero_()
+        filled = p  # KV slots written: the next decode step writes slot ``filled``
         for step in range(max_new_tokens - 1):
+            # A step boundary: nothing is computing, so a staged version can be made live here.
+            if on_step is not None:
+                on_step(step + 1)
+                self._check_servable()  # the callback may have updated the engine itself
+            if self._commit_pending():
+                if self.weight_version != starts[-1][0]:
+                    starts.append((self.weight_version, step + 1))
+                if self.kv_after_commit == "recompute":
+                    # The new version recomputes the KV of everything so far; it computes the next token.
+                    nxt = self._prefill([row + out for row, out in zip(padded, result)], pads,
+                                        temperature, gen)
+                    filled = p + step + 1
+                    for row, tok in zip(result, nxt.tolist()):
+                        row.append(int(tok))
+                    continue
             s["ids"][:b, 0].copy_(nxt)
-            s["slot"].fill_(p + step)
+            s["slot"].fill_(filled)
             self._run_decode()
+            filled += 1
             nxt = self._pick(s["logits"][:b], temperature, gen)
             for row, tok in zip(result, nxt.tolist()):
                 row.append(int(tok))
-        return result
+        ends = [start for _, start in starts[1:]] + [max_new_tokens]
+        spans = tuple(VersionSpan(v, a, e) for (v, a), e in zip(starts, ends))
+        return [Rollout(row, spans) for row in result]

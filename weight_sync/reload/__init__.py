@@ -22,6 +22,7 @@ from weight_sync.reload.api import (
 from weight_sync.reload.plan import CopyOp, KeyPlan, Plan
 from weight_sync.reload.report import UpdateReport, fingerprint
 from weight_sync.reload.session import UpdateSession
+from weight_sync.reload.staged import STAGING_PLACEMENTS, CommitReport, StagedWeights, StagingConfig
 from weight_sync.reload.state import (
     check_servable,
     mark_layers_processed,
@@ -31,9 +32,13 @@ from weight_sync.reload.state import (
 )
 
 __all__ = [
+    "STAGING_PLACEMENTS",
+    "CommitReport",
     "CopyOp",
     "KeyPlan",
     "Plan",
+    "StagedWeights",
+    "StagingConfig",
     "UpdateReport",
     "UpdateSession",
     "begin_update",

@@ -44,6 +44,7 @@ from weight_sync.transport.layout import (
     check_block_order,
     plan_buckets,
 )
+from weight_sync.transport.push import PushHandle, push, push_to_staging
 from weight_sync.transport.receiver import WeightReceiver
 from weight_sync.transport.routes import (
     Holding,
@@ -86,6 +87,7 @@ __all__ = [
     "Need",
     "NeedPiece",
     "Piece",
+    "PushHandle",
     "Route",
     "RoutePlan",
     "RoutePlanCache",
@@ -107,6 +109,8 @@ __all__ = [
     "needs_from_model",
     "plan_buckets",
     "plan_routes",
+    "push",
+    "push_to_staging",
     "reference_checkpoint_metas",
     "reference_engine_needs",
     "whole_holdings",
