@@ -66,6 +66,39 @@ def draw_timeline(spans: list[dict[str, Any]], path: Path, title: str) -> bool:
     return True
 
 
+_PHASE_COLORS = {"begin": "tab:gray", "load": "tab:orange", "requantize": "tab:red",
+                 "copy back": "tab:purple", "finish": "tab:olive", "first forward": "tab:blue"}
+
+
+def draw_update_phases(phases: list[dict[str, Any]], path: Path, title: str) -> bool:
+    """One row per update (source, repeat), its phases laid end to end in ms; False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    names = [k for k in phases[0] if k not in ("source", "repeat")]
+    fig, ax = plt.subplots(figsize=(12, 0.45 * len(phases) + 1.4))
+    for i, ph in enumerate(phases):
+        start = 0.0
+        for n in names:
+            width = max(ph[n], 1e-3)
+            ax.broken_barh([(start, width)], (i - 0.4, 0.8), facecolors=_PHASE_COLORS.get(n, "tab:cyan"),
+                           edgecolor="black", linewidth=0.3, label=n if i == 0 else None)
+            start += ph[n]
+    ax.set_yticks(range(len(phases)), [f"{ph['source']} #{ph['repeat']}" for ph in phases], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms")
+    ax.set_title(title, fontsize=9)
+    ax.legend(loc="lower right", fontsize=7, ncol=len(names))
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return True
+
+
 def draw_timelines(result: dict[str, Any], tag: str) -> list[str]:
     """PNG timelines for the spans stored in ``result``; returns the file names written."""
     args, spans, out = result["args"], result["timeline_spans"], []

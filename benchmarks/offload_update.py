@@ -10,9 +10,21 @@ update from pinned host tensors moves). Reported: median update time, GB/s, rati
 first forward after the update next to a steady forward (the update drops the prefetched block), and a
 check that the served weights equal the source (``handle.fingerprint`` vs ``weight_sync.fingerprint``).
 
-GPU (the lead's command):  python benchmarks/offload_update.py --tag h200
-CPU (seconds):             python benchmarks/offload_update.py --quick
-Writes benchmarks/results/offload_update_<tag>.json / .md.
+With ``--quantization NAME`` (a quant-registry name, e.g. ``fp8_block``) the offload streams blocks
+quantized online at load, and each update requantizes: the full-precision source tensors are quantized
+by the registry's processor on the session's device and the fp8 bytes + scales are copied into the
+arena. The bound is then the pinned H2D of the quantized bytes the update writes, and "served ==
+source" compares with the source model quantized the same way (resident, ``quantize_linears``).
+
+Every update is also run once more per repeat in phases (device synchronized between them), drawn as a
+timeline PNG: begin (drain + validation + pointer snapshot), load (copies into the arena / device
+tensors), requantize (the processor), copy back (its outputs into the kernel tensors), finish (pointer
+audit) and the first forward after the update.
+
+GPU (the lead's commands):  python benchmarks/offload_update.py --tag h200
+                            python benchmarks/offload_update.py --tag h200_fp8 --quantization fp8_block
+CPU (seconds):              python benchmarks/offload_update.py --quick [--quantization fp8_block]
+Writes benchmarks/results/offload_update_<tag>.json / .md / _timeline.png.
 """
 
 from __future__ import annotations
@@ -30,7 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_offload import _sync, timed_ms
-from offload_report import RESULTS, hardware
+from offload_report import RESULTS, draw_update_phases, hardware
 
 import weight_sync
 from weight_sync.offload import OffloadConfig, enable_layerwise_offload
@@ -65,11 +77,23 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     pipe = SyntheticDiTPipeline(dit).to(dtype).eval()
     torch.manual_seed(1)
     source = SyntheticDiTPipeline(dit).to(dtype).eval()
-    handle = enable_layerwise_offload(pipe, OffloadConfig(
-        enable_distributed_layerwise_offload=True, dlo_use_allgather=False, device=str(device)))
-    m = handle.metrics()
-    block_bytes = m["block_bytes"]
     state = source.transformer.state_dict()
+    reference = source.transformer
+    if args.quantization is not None:
+        # The served weights must equal the source quantized the same way, resident (no offload code).
+        from weight_sync.quant.modules import quantize_linears
+
+        torch.manual_seed(1)
+        reference = SyntheticDiTPipeline(dit).to(dtype).eval().transformer
+        for block in reference.blocks:
+            quantize_linears(block, args.quantization)
+    expected_fp = weight_sync.fingerprint(reference)
+    del reference
+    handle = enable_layerwise_offload(pipe, OffloadConfig(
+        enable_distributed_layerwise_offload=True, dlo_use_allgather=False, device=str(device),
+        quantization=args.quantization))
+    m = handle.metrics()
+    block_bytes = m["block_bytes"]  # what an update writes into the arena (quantized bytes if quantized)
     total_bytes = sum(t.numel() * t.element_size() for t in state.values())
     sources = {
         "device tensors": [(k, v.detach().to(device).contiguous()) for k, v in state.items()],
@@ -87,7 +111,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "pinned_d2h_s": _copy_s(block_bytes, "device", "pinned", device, warmup=1, repeats=args.repeats),
         "host_memcpy_s": _copy_s(block_bytes, "pageable", "pageable", device, warmup=1, repeats=args.repeats),
     }
-    rows = []
+    rows, phases = [], []
     for label, named in sources.items():
         def update(named: list = named) -> None:
             with weight_sync.begin_update(pipe.transformer, manifest, fingerprint=False) as s:
@@ -98,7 +122,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         pipe.generate(**gen)
         _sync(device)
         first_forward_s = time.perf_counter() - t0
-        served_equal = handle.fingerprint(pipe.transformer) == weight_sync.fingerprint(source.transformer)
+        for repeat in range(args.repeats):
+            phases.append({"source": label, "repeat": repeat,
+                           **_phased_update(pipe, manifest, named, device, gen)})
+        served_equal = handle.fingerprint(pipe.transformer) == expected_fp
         own_bound = bounds["pinned_d2h_s"] if label == "device tensors" else bounds["host_memcpy_s"]
         rows.append({
             "source": label, "update_s": seconds, "bytes_written": total_bytes, "block_bytes": block_bytes,
@@ -109,7 +136,30 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "served_equals_source": served_equal,
         })
     handle.disable()
-    return {"bounds": bounds, "rows": rows, "metrics": handle.metrics(), "total_bytes": total_bytes}
+    return {"bounds": bounds, "rows": rows, "phases": phases, "metrics": handle.metrics(),
+            "total_bytes": total_bytes}
+
+
+def _phased_update(pipe: SyntheticDiTPipeline, manifest: weight_sync.Manifest, named: list,
+                   device: torch.device, gen: dict[str, Any]) -> dict[str, float]:
+    """One update split into its phases (ms), the device synchronized at each boundary."""
+    _sync(device)
+    t0 = time.perf_counter()
+    s = weight_sync.begin_update(pipe.transformer, manifest, fingerprint=False)
+    t1 = time.perf_counter()
+    s.load(named)
+    _sync(device)
+    t2 = time.perf_counter()
+    report = s.finish()
+    t3 = time.perf_counter()
+    pipe.generate(**gen)
+    _sync(device)
+    t4 = time.perf_counter()
+    # With a manifest every layer is processed inside load(), as its last key arrives.
+    process, copy_back = report.seconds.get("process", 0.0), report.seconds.get("copy_back", 0.0)
+    return {"begin": (t1 - t0) * 1e3, "load": max(t2 - t1 - process - copy_back, 0.0) * 1e3,
+            "requantize": process * 1e3, "copy back": copy_back * 1e3, "finish": (t3 - t2) * 1e3,
+            "first forward": (t4 - t3) * 1e3}
 
 
 def write_report(result: dict[str, Any], tag: str) -> Path:
@@ -120,7 +170,10 @@ def write_report(result: dict[str, Any], tag: str) -> Path:
         f"Command: `{result['command']}`", "",
         "Hardware / versions: " + ", ".join(f"{k}={v}" for k, v in result["hardware"].items()), "",
         f"Workload: synthetic DiT, {a['num_blocks']} blocks, hidden {a['hidden']}, {a['dtype']}, offloaded "
-        f"without AllGather (packed pinned arena); {result['total_bytes'] / 1e9:.3f} GB per update "
+        f"without AllGather (packed pinned arena"
+        + (f", blocks quantized online with {a['quantization']}; every update requantizes"
+           if a.get("quantization") else "")
+        + f"); {result['total_bytes'] / 1e9:.3f} GB per update "
         f"({result['rows'][0]['block_bytes'] / 1e9:.3f} GB of blocks into the arena). Median of "
         f"{a['repeats']} after 1 warm-up.", "",
         f"Bounds measured in this run for the block bytes: pinned H2D {b['pinned_h2d_s'] * 1e3:.1f} ms, "
@@ -136,6 +189,21 @@ def write_report(result: dict[str, Any], tag: str) -> Path:
             f"{r['steady_forward_s'] * 1e3:.1f} | {r['served_equals_source']} |"
         )
     lines += ["", "Own copy bound: pinned D2H for device tensors, host memcpy for pinned host tensors."]
+    if result.get("phases"):
+        names = [k for k in result["phases"][0] if k not in ("source", "repeat")]
+        lines += ["", "Phases of one update (ms; run again per repeat with the device synchronized at "
+                  "each boundary, so the sum is a little above the median above):", "",
+                  "| source | repeat | " + " | ".join(names) + " |",
+                  "|---|---|" + "---|" * len(names)]
+        for ph in result["phases"]:
+            lines.append(f"| {ph['source']} | {ph['repeat']} | "
+                         + " | ".join(f"{ph[n]:.1f}" for n in names) + " |")
+    png = RESULTS / f"offload_update_{tag}_timeline.png"
+    if result.get("phases") and draw_update_phases(
+        result["phases"], png, f"update phases, {a['num_blocks']} blocks, "
+        f"{a.get('quantization') or a['dtype']} ({tag})",
+    ):
+        lines += ["", f"![update timeline]({png.name})"]
     path = RESULTS / f"offload_update_{tag}.md"
     path.write_text("\n".join(lines) + "\n")
     path.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str))
@@ -154,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=None)
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--tag", default=None)
+    p.add_argument("--quantization", default=None,
+                   help="quantize the offloaded blocks online (a quant-registry name, e.g. fp8_block); "
+                        "every update then requantizes")
     args = p.parse_args(argv)
     gpu = not args.quick and cuda and args.device != "cpu"
     args.device = args.device or ("cuda" if gpu else "cpu")

@@ -117,3 +117,84 @@ def transport_into_offloaded(rank: int, world: int, backend: str, dit: dict[str,
     receiver.close()
     handle.disable()
     return out
+
+
+def quantized_allgather_update(rank: int, world: int, dit: dict[str, Any], name: str,
+                               rollback: bool) -> dict[str, Any]:
+    """dp=2 AllGather, blocks quantized with ``name``: reload B into offloaded A (no key list, then
+    buckets with a manifest), compare with a fresh quantized offloaded B and the resident quantized B;
+    then a killed update; then B again."""
+    from weight_sync.quant.modules import quantize_linears
+
+    torch.set_num_threads(1)
+    config = OffloadConfig(enable_distributed_layerwise_offload=True, data_parallel_size=world, device="cpu",
+                           quantization=name)
+
+    def bf16(seed: int) -> SyntheticDiTPipeline:
+        return _pipe(dit, seed).to(torch.bfloat16)
+
+    b = _weights(bf16(2))
+    ref = bf16(5)
+    ref.transformer.load_state_dict(dict(b))
+    for block in ref.transformer.blocks:
+        quantize_linears(block, name)
+    expected, fresh_fp = _out(ref, rank), weight_sync.fingerprint(ref.transformer)
+    fresh = bf16(5)
+    fresh.transformer.load_state_dict(dict(b))
+    h = enable_layerwise_offload(fresh, config)
+    fresh_shards = h.store.arena.clone()  # type: ignore[union-attr]
+    fresh_out = _out(fresh, rank)
+    h.disable()
+
+    pipe = bf16(1)
+    handle = enable_layerwise_offload(pipe, config)
+    host_before = handle.metrics()["host_bytes"]
+    a_out = _out(pipe, rank)
+    # No key list: every layer is requantized at finish, each block's scratch held until then.
+    reload_weights(pipe.transformer, weights_iterator=iter(b), version="b")
+    m = handle.metrics()
+    result: dict[str, Any] = {
+        "differs_before": not torch.equal(a_out, expected),
+        "shards_equal": torch.equal(handle.store.arena, fresh_shards),  # type: ignore[union-attr]
+        "equal_resident": torch.equal(_out(pipe, rank), expected),
+        "equal_offloaded": torch.equal(_out(pipe, rank), fresh_out),
+        "fingerprint_equal": handle.fingerprint(pipe.transformer) == fresh_fp,
+        "host_bytes": (host_before, m["host_bytes"]), "block_bytes": m["block_bytes"],
+        "scratch_peak_no_keys": m["update_scratch_peak_bytes"],
+        "largest_block": max(lay.padded_bytes for lay in handle.layouts),
+        "all_blocks": sum(lay.padded_bytes for lay in handle.layouts),
+    }
+    # Buckets that split layers, with a manifest: blocks are written back as their last key arrives.
+    a = _weights(bf16(1))
+    with weight_sync.begin_update(pipe.transformer, weight_sync.Manifest.from_named_tensors(a)) as s:
+        for k in range(0, len(a), 5):
+            s.load(a[k : k + 5])
+    result["equal_a_after_buckets"] = torch.equal(_out(pipe, rank), a_out)
+    with weight_sync.begin_update(pipe.transformer, weight_sync.Manifest.from_named_tensors(b)) as s:
+        for k in range(0, len(b), 5):
+            s.load(b[k : k + 5])
+    result["equal_after_buckets"] = torch.equal(_out(pipe, rank), expected)
+    result["shards_equal_after_buckets"] = torch.equal(handle.store.arena, fresh_shards)  # type: ignore[union-attr]
+    # A first update with a manifest, into a second offload: its scratch peak is its own.
+    other = bf16(1)
+    with enable_layerwise_offload(other, config) as h2:
+        with weight_sync.begin_update(other.transformer, weight_sync.Manifest.from_named_tensors(b)) as s:
+            for k in range(0, len(b), 5):
+                s.load(b[k : k + 5])
+        result["equal_first_buckets"] = torch.equal(_out(other, rank), expected)
+        result["scratch_peak_buckets"] = h2.metrics()["update_scratch_peak_bytes"]
+    try:
+        reload_weights(pipe.transformer, weights_iterator=_failing(a, 20), rollback=rollback)
+        result["source_error"] = False
+    except SourceError:
+        result["source_error"] = True
+    result["torn"] = torn_reason(pipe.transformer) is not None
+    try:
+        result["equal_after_failure"] = torch.equal(_out(pipe, rank), expected)
+    except TornModelError:
+        result["equal_after_failure"] = "refused"
+    reload_weights(pipe.transformer, weights_iterator=iter(b))
+    result["equal_after_recovery"] = torch.equal(_out(pipe, rank), expected)
+    result["host_bytes_end"] = handle.metrics()["host_bytes"]
+    handle.disable()
+    return result

@@ -202,13 +202,3 @@ def test_an_update_of_mmap_host_weights_over_the_host_budget_is_refused_with_the
     assert torch.equal(_out(pipe), before)
     handle.disable()
 
-
-def test_an_update_of_a_quantized_offload_is_refused_before_any_write(b) -> None:
-    weights, _, _ = b
-    pipe = _pipe(1)
-    handle = enable_layerwise_offload(pipe, _config(quantization="fp8_block"))
-    before = _out(pipe)
-    with pytest.raises(ConfigError, match=r"fp8_block.*not supported yet"):
-        reload_weights(pipe.transformer, weights_iterator=iter(weights.items()))
-    assert torch.equal(_out(pipe), before)
-    handle.disable()

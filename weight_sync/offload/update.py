@@ -28,10 +28,20 @@ model. While an update is open, and while the model is torn, every block forward
 restore the arena views in place; with AllGather the shards of blocks already written back are restored
 from copies of their previous bytes (1/dp each, taken only with ``rollback=True``).
 
+Quantized offloads (``OffloadConfig.quantization``) requantize on update: before the session opens, every
+``QuantizedLinear`` is declared a processed layer whose model format is the full-precision linear it
+replaced (``weight_sync.offload.quantize.declare_requantization``). Its keys fill model-format staging on
+the session's device; when the layer's last key arrives the registry's processor quantizes it, and the
+fp8 (or int8) weight, its scales and the bias are copied into the kernel tensors, which are the host
+views above: the arena in place, or the AllGather scratch whose shard goes back as for any block (every
+rank quantizes whole linears, because a scale needs its whole tile, row or tensor, and keeps only its
+1/dp shard). The bytes equal those of a fresh offloaded load quantized the same way. Without a key list
+(no manifest and no earlier full update) the session processes every layer at finish, so with AllGather
+the scratch of every block written is held until then.
+
 Limitations: with AllGather a key must land in the block its name is under (``blocks.3.*`` in block 3, as
 the transports' block order assumes), and the session's report carries no fingerprint (no rank holds the
 full weights on the host): :meth:`weight_sync.offload.OffloadHandle.fingerprint` (collective) gives it.
-Quantized offloads (``OffloadConfig.quantization``) cannot be updated yet.
 """
 
 from __future__ import annotations
@@ -51,6 +61,7 @@ from weight_sync.layers import repoint
 from weight_sync.offload.host_store import PackedStore
 from weight_sync.offload.layout import BlockLayout
 from weight_sync.offload.pinned import PinError, register_region
+from weight_sync.offload.quantize import declare_requantization
 
 if TYPE_CHECKING:
     from weight_sync.offload.handle import OffloadHandle
@@ -216,13 +227,9 @@ class OffloadUpdater:
                 "its modules); finish or abort it first"
             )
         if h.config.quantization is not None:
-            # The reload plan would see the kernel-format (quantized) tensors as the model format and
-            # "update" them with a cast; refuse instead of serving that.
-            raise ConfigError(
-                f"updating an offload quantized with {h.config.quantization!r} is not supported yet: "
-                "requantizing the streamed blocks on update is open (issue 19.3); offload without "
-                "quantization= to update it"
-            )
+            # Before anything is written: the quantized linears become processed layers whose model
+            # format is the full-precision linear they replaced (an update requantizes them).
+            declare_requantization(model)
         h.streamer.drain()
         store = self._private_store()
         if store.shard is None:
@@ -253,7 +260,9 @@ class OffloadUpdater:
         self._remaining = {}
         # Without a key list a block counts as complete when the stream moves on to another block (block
         # order is the transports' protocol); a key coming back to it later re-opens it from the arena.
-        self._by_order = session.expected is None
+        # Not when quantized: without a key list the session processes (requantizes) every layer at
+        # finish, so each block's scratch must hold its new bytes until then (written back at close).
+        self._by_order = session.expected is None and self.handle.config.quantization is None
         for name in session.expected or ():
             b = self._block(name)
             if b is not None:
