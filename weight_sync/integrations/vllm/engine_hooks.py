@@ -6,11 +6,17 @@ call arguments. Three small wrappers, installed once per process by the plugin (
 ``additional_config`` carries weight_sync options; every other engine passes straight through.
 
 ``EngineCore.collective_rpc``
-    After a successful ``reload_weights`` / ``finish_weight_update``: reset the prefix cache (preempting
-    running requests, so their KV is recomputed with the new weights) and the encoder cache. Between
-    ``start_weight_update`` and ``finish_weight_update``: the scheduler is held (nothing steps on
-    half-written weights; queued requests wait). After a failed update: ask the workers whether the model
-    is torn; if so, abort in-flight requests and refuse new ones until a complete update succeeds.
+    When the user has not paused the engine (``pause_generation``), weight_sync keeps every token computed
+    with one version on its own: between ``start_weight_update`` and ``finish_weight_update`` the
+    scheduler is held (nothing steps on half-written weights; queued requests wait); after a successful
+    ``reload_weights`` / ``finish_weight_update`` the prefix cache is reset (running requests are
+    preempted, so their KV is recomputed with the new weights), the encoder cache too, and the engine's
+    weight version becomes the committed update's version (when it has one) before the next step, so
+    ``weight_versions`` spans name the weights that sampled each token. When the user paused, vLLM's
+    pause owns all of that: no hold, no cache reset, no relabel - the mode and ``clear_cache`` of
+    ``pause_generation`` decide, exactly as on plain vLLM. After a failed update either way: ask the
+    workers whether the model is torn; if so, abort in-flight (also kept) requests and refuse new ones
+    until a complete update succeeds.
 ``EngineCore.preprocess_add_request``
     Refuses requests (naming the failed update) while the engine is torn: in a multiprocess engine each
     refused request finishes with an error.
@@ -91,6 +97,7 @@ def _wrap_core_rpc(original: Any) -> Any:
             return original(self, method, timeout, args, kwargs)
         if method in ("start_weight_update", "start_draft_weight_update"):
             _hold(self)
+            self._ws_draft_session = method == "start_draft_weight_update"
         try:
             result = original(self, method, timeout, args, kwargs)
             error = _rpc_error(result)
@@ -103,7 +110,7 @@ def _wrap_core_rpc(original: Any) -> Any:
                 _after_failure(self, original, method)
             raise
         if method in _COMMITS:
-            _after_commit(self)
+            _after_commit(self, original, method, result)
         return result
 
     return collective_rpc
@@ -125,14 +132,48 @@ def _release(core: Any) -> None:
         core._ws_held = False
 
 
-def _after_commit(core: Any) -> None:
+def _paused_by_user(core: Any) -> bool:
+    """Whether the scheduler is paused by ``pause_generation`` (any mode) rather than by weight_sync's hold."""
+    from vllm.v1.core.sched.interface import PauseState
+
+    return core.scheduler.pause_state != PauseState.UNPAUSED and not getattr(core, "_ws_held", False)
+
+
+def _after_commit(core: Any, rpc: Any, method: str, result: Any) -> None:
     core._ws_torn = None
+    draft = method == "finish_weight_update" and getattr(core, "_ws_draft_session", False)
+    core._ws_draft_session = False
+    if _paused_by_user(core):
+        # vLLM's documented pause semantics: abort / wait left nothing running, keep froze the running
+        # requests with their KV, and clear_cache=True already cleared the caches when the pause
+        # completed. Resetting here would preempt kept requests that the user asked to continue.
+        return
     # Blocks cached under the old weights must never be hit again; requests already running are
     # preempted and recomputed so their KV does not mix versions either.
     if not core.scheduler.reset_prefix_cache(reset_running_requests=True):
         log.warning("weight_sync: the prefix cache could not be reset after a weight update")
     core.scheduler.reset_encoder_cache()
+    if not draft:
+        # AsyncLLM.finish_weight_update(weight_version=...) sets the label in a later engine-core call;
+        # the scheduler may step in between, and those tokens would carry the old label.
+        version = _committed_version(core, rpc, method, result)
+        if version is not None:
+            core._weight_version = version
     _release(core)
+
+
+def _committed_version(core: Any, rpc: Any, method: str, result: Any) -> str | None:
+    """The version the workers committed, as vLLM labels versions (a string); None if none was given."""
+    if method == "reload_weights":
+        answers = result if isinstance(result, list) else [result]
+    else:
+        try:
+            answers = rpc(core, "ws_status", None, (), None)
+        except Exception as e:  # the commit succeeded; only the label is unknown
+            log.warning("weight_sync: the committed version could not be read (%s)", e)
+            return None
+    versions = {a.get("version") for a in answers if isinstance(a, dict)} - {None}
+    return str(versions.pop()) if len(versions) == 1 else None
 
 
 def _after_failure(core: Any, rpc: Any, method: str) -> None:
