@@ -92,7 +92,7 @@ def draw_update_phases(phases: list[dict[str, Any]], path: Path, title: str) -> 
     ax.invert_yaxis()
     ax.set_xlabel("ms")
     ax.set_title(title, fontsize=9)
-    ax.legend(loc="lower right", fontsize=7, ncol=len(names))
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)
@@ -117,6 +117,12 @@ def draw_timelines(result: dict[str, Any], tag: str) -> list[str]:
         f"ours, AllGather + landing buffers dp={args['dp']}, rank 0, {args['dp_tokens']} tokens ({tag})",
     ):
         out.append(f"offload_{tag}_timeline_dp{args['dp']}_landing.png")
+    for key, q_spans in (spans.get("quantized") or {}).items():
+        if q_spans and draw_timeline(
+            q_spans, RESULTS / f"offload_{tag}_timeline_{key}.png",
+            f"ours, no AllGather, {key} (quantization_dequantize), {args['trace_tokens']} tokens ({tag})",
+        ):
+            out.append(f"offload_{tag}_timeline_{key}.png")
     return out
 
 
@@ -158,15 +164,21 @@ def write_report(result: dict[str, Any], tag: str) -> Path:
         lines += ["", "Quantized blocks (no AllGather): the block linears quantized online; baseline = the "
                   "resident model quantized the same way, measured in the same run (interleaved). Bound = "
                   "max(1, H2D of one quantized block / its compute).", "",
-                  "| quantization | tokens | resident dense ms | resident quantized ms | ours quantized ms | "
-                  "ours / resident quantized | bound | ours / bound | block MB | vs dense | bitwise equal |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| quantization | dequantize | tokens | resident dense ms | resident quantized ms | "
+                  "ours quantized ms | ours / resident quantized | bound | ours / bound | "
+                  "ours / bf16 DLO | block MB | vs dense | bitwise equal | == default dequantize |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for q in result["quantized"]:
+            vs_dlo = q.get("vs_dense_dlo")
             lines.append(
-                f"| {q['quantization']} | {q['tokens']} | {q['resident_ms']:.2f} | {q['resident_q_ms']:.2f} | "
+                f"| {q['quantization']} | {q.get('dequant', 'default')} | {q['tokens']} | "
+                f"{q['resident_ms']:.2f} | {q['resident_q_ms']:.2f} | "
                 f"{q['ours_q_ms']:.2f} | {q['ours_q_ratio']:.2f} | {q['bound_ratio']:.2f} | "
-                f"{q['ours_q_vs_bound']:.2f} | {q['block_bytes'] / 1e6:.1f} | {q['block_bytes_vs_dense']:.3f} | "
-                f"{q['bitwise_equal']} |")
+                f"{q['ours_q_vs_bound']:.2f} | {'-' if vs_dlo is None else f'{vs_dlo:.2f}'} | "
+                f"{q['block_bytes'] / 1e6:.1f} | {q['block_bytes_vs_dense']:.3f} | "
+                f"{q['bitwise_equal']} | {q.get('equal_to_default_dequant', '-')} |")
+        lines += ["", "Goals (issue 19): ours / bound <= 1.05 at 1024 / 4096 / 16384 tokens; ours / bf16 "
+                  "DLO <= 0.55 at 1024 and 4096 (bf16 DLO = the dense 'ours ms' above, same run)."]
     dp = result.get("dp")
     if dp and "ranks" in dp:
         lines += ["", f"AllGather dp={dp['dp']} at {dp['tokens']} tokens (the two offloaded variants timed "

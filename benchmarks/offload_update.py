@@ -176,8 +176,8 @@ def write_report(result: dict[str, Any], tag: str) -> Path:
         + f"); {result['total_bytes'] / 1e9:.3f} GB per update "
         f"({result['rows'][0]['block_bytes'] / 1e9:.3f} GB of blocks into the arena). Median of "
         f"{a['repeats']} after 1 warm-up.", "",
-        f"Bounds measured in this run for the block bytes: pinned H2D {b['pinned_h2d_s'] * 1e3:.1f} ms, "
-        f"pinned D2H {b['pinned_d2h_s'] * 1e3:.1f} ms, host memcpy {b['host_memcpy_s'] * 1e3:.1f} ms.", "",
+        f"Bounds measured in this run for the block bytes: pinned H2D {b['pinned_h2d_s'] * 1e3:.3f} ms, "
+        f"pinned D2H {b['pinned_d2h_s'] * 1e3:.3f} ms, host memcpy {b['host_memcpy_s'] * 1e3:.3f} ms.", "",
         "| source | update ms | GB/s | x pinned H2D bound | x own copy bound | first forward ms | "
         "steady forward ms | served == source |",
         "|---|---|---|---|---|---|---|---|",
@@ -192,7 +192,9 @@ def write_report(result: dict[str, Any], tag: str) -> Path:
     if result.get("phases"):
         names = [k for k in result["phases"][0] if k not in ("source", "repeat")]
         lines += ["", "Phases of one update (ms; run again per repeat with the device synchronized at "
-                  "each boundary, so the sum is a little above the median above):", "",
+                  "each boundary, so the sum is a little above the median above; requantize and copy "
+                  "back are the session report's processing times - a layer the reload lifecycle "
+                  "quantizes as its keys arrive, straight into the kernel tensors, counts in load):", "",
                   "| source | repeat | " + " | ".join(names) + " |",
                   "|---|---|" + "---|" * len(names)]
         for ph in result["phases"]:
