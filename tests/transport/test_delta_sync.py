@@ -81,10 +81,11 @@ def delta_updates(rank: int, world: int, ckpt: str, quantization: Any, scratch: 
         after = end.send(versions[-1].items(), manifest, version=NUM_UPDATES + 2)
         end.close()
         return {"stats": stats, "error": error, "after": after.delta}
-    got, want = [], []
+    got, want, applied = [], [], []
     for v, weights in enumerate(versions, start=1):
         report = end.receive_update()
         got.append((end.weight_version, report.fingerprint))
+        applied.append(dict(end._delta_base.last_stats))
         want.append((v, _fresh_fingerprint(ckpt, weights, Path(scratch) / f"r{rank}v{v}", quantization, group)))
     real_wait = end._plane.wait
     _flip_byte_in_bucket(end, 0)
@@ -95,7 +96,8 @@ def delta_updates(rank: int, world: int, ckpt: str, quantization: Any, scratch: 
     end.receive_update()
     last = engine.fingerprint() == want[-1][1]
     end.close()
-    return {"got": got, "want": want, "rolled_back": rolled_back, "last": last}
+    return {"got": got, "want": want, "rolled_back": rolled_back, "last": last, "applied": applied,
+            "quantized": quantization is not None, "num_tensors": len(versions[0])}
 
 
 def _check(results: list[dict]) -> None:
@@ -112,6 +114,13 @@ def _check(results: list[dict]) -> None:
     assert trainer["after"]["mode"] == "full" and "no delta base is kept" in trainer["after"]["reason"]
     for e in engines:
         assert e["got"] == e["want"]
+        # Every key of a delta went in place (no tensor rebuilt, none loaded whole), and a quantized
+        # engine requantized its layers from the model-format copies.
+        for mode, applied in zip(modes, e["applied"]):
+            assert applied["mode"] == mode
+            if mode == "delta":
+                assert applied["in_place"] == e["num_tensors"] and applied["through_session"] == 0
+                assert (applied["requantized"] > 0) == e["quantized"]
         assert e["rolled_back"] and e["last"]
 
 

@@ -46,6 +46,7 @@ __all__ = [
     "DeltaStats",
     "apply_delta_",
     "changed_mask",
+    "decode_delta",
     "delta_stats",
     "encode_delta",
 ]
@@ -319,6 +320,27 @@ def _sparse_positions(p: _Parsed, numel: int, dev: torch.device) -> tuple[torch.
         if part.numel() and int(part[-1]) >= numel:
             raise LayoutMismatchError(f"delta payload: a changed position lies beyond the tensor's {numel} elements")
     return bpos, ipos
+
+
+def decode_delta(payload: torch.Tensor, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The changes an encoding carries, without a base: (flat int64 positions, their new values as
+    integers of the item size), on the payload's device, checked like :func:`apply_delta_`.
+
+    The positions are distinct but not sorted (bitmask chunks', then index chunks', then plain chunks'
+    elements, each group in element order); plain chunks list every element, changed or not. Writing
+    ``values`` at ``positions`` into the base gives the new tensor: what an engine that applies deltas
+    in place (``weight_sync.reload.delta_apply``) does, into live storage or a model-format copy.
+    """
+    dev = payload.device
+    p = _parse(payload, numel, dtype)
+    sparse, plain = p.regions[2], p.regions[3]
+    bpos, ipos = _sparse_positions(p, numel, dev)
+    if not plain.numel():
+        return (bpos if not ipos.numel() else ipos if not bpos.numel() else torch.cat([bpos, ipos])), sparse
+    plain_pos = _plain_positions((p.form == FORM_PLAIN).nonzero().reshape(-1), p.chunk_elems, numel, dev)
+    if not sparse.numel():
+        return plain_pos, plain
+    return torch.cat([bpos, ipos, plain_pos]), torch.cat([sparse, plain])
 
 
 def apply_delta_(base: torch.Tensor, payload: torch.Tensor, *, positions: bool = True) -> torch.Tensor | None:

@@ -32,14 +32,16 @@ delta - ``weight_sync.quant.delta`` (only the changed rows / tiles) is not wired
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import replace
 from typing import Any
 
 import torch
 
-from weight_sync.errors import DeltaBaseError, ManifestError, TransportError
+from weight_sync.errors import DeltaBaseError, DuplicateTensorError, ManifestError, TransportError
 from weight_sync.manifest import Manifest, TensorMeta
+from weight_sync.reload.delta_apply import DeltaApplier
 from weight_sync.transport.delta import apply_delta_, delta_stats, encode_delta
 
 __all__ = [
@@ -204,14 +206,28 @@ def _expect_end(pairs: Iterator[tuple[str, torch.Tensor]], manifest: Manifest) -
 
 
 class ReceiverDeltaBase:
-    """An engine rank's base for deltas: a host copy of every tensor of its last committed update."""
+    """An engine rank's base for deltas: what its last committed update left, kept in three forms.
+
+    Keys applied in place need nothing beyond the engine's own tensors (direct layers) or a
+    model-format copy of a quantized weight (``applier``, see ``weight_sync.reload.delta_apply``);
+    keys on the session path keep a checkpoint-format copy here (``tensors``), decoded into and loaded
+    whole. ``layouts`` names every tensor the base covers.
+    """
 
     def __init__(self, device: str | torch.device = "cpu") -> None:
         self.device = torch.device(device)
         self.tensors: dict[str, torch.Tensor] = {}
+        self.layouts: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+        self.applier = DeltaApplier(self.device)
         self.version: Any = None
         self.fingerprint: str | None = None
         self.valid = False
+        self.last_stats: dict[str, Any] = {}
+
+    @property
+    def nbytes(self) -> int:
+        """Memory the base holds beyond the engine's tensors (bytes)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors.values()) + self.applier.nbytes
 
     def check(self, info: dict[str, Any], manifest: Manifest, rank: int, committed_version: Any,
               committed_fingerprint: str | None) -> Manifest | None:
@@ -232,7 +248,7 @@ class ReceiverDeltaBase:
         if base_fp is not None and committed_fingerprint is not None and base_fp != committed_fingerprint:
             problems.append(f"the engine's fingerprint is {committed_fingerprint[:16]}, the delta's base "
                             f"{base_fp[:16]}")
-        missing = [m.name for m in manifest if not _same_layout(self.tensors.get(m.name), m)]
+        missing = [m.name for m in manifest if self.layouts.get(m.name) != (m.dtype, tuple(m.shape))]
         if self.valid and missing:
             problems.append(f"the base lacks {len(missing)} tensor(s) of this layout, first {missing[0]!r}")
         if problems:
@@ -243,10 +259,13 @@ class ReceiverDeltaBase:
         return wire_manifest(manifest, info.get("wire") or [])
 
     def take(self, name: str, t: torch.Tensor, mode: str) -> torch.Tensor:
-        """The full tensor to load for what arrived as ``t``: a delta is applied to the base (and the
-        base returned), a full tensor is recorded into the base (and returned as it came)."""
+        """The full tensor to load for what arrived as ``t``: a delta is applied to the checkpoint-format
+        copy (and the copy returned), a full tensor is recorded into it (and returned as it came)."""
         if mode == "delta":
-            base = self.tensors[name]
+            base = self.tensors.get(name)
+            if base is None:
+                raise DeltaBaseError(f"{name}: a delta on the session path needs the checkpoint-format copy "
+                                     "the last full update records, found none")
             apply_delta_(base, t, positions=False)  # the session needs the tensor, not the positions
             return base
         slot = self.tensors.get(name)
@@ -255,18 +274,30 @@ class ReceiverDeltaBase:
         slot.copy_(t)
         return t
 
-    def commit(self, version: Any, fingerprint: str | None) -> None:
+    def commit(self, version: Any, fingerprint: str | None,
+               layouts: dict[str, tuple[torch.dtype, tuple[int, ...]]] | None = None,
+               copied: set[str] | None = None) -> None:
+        """The update became the engine's state; a full one (``layouts``) replaces what the base covers
+        and keeps checkpoint-format copies of the ``copied`` keys only."""
+        if layouts is not None:
+            self.layouts = layouts
+            for stale in [n for n in self.tensors if copied is None or n not in copied]:
+                del self.tensors[stale]
         self.version, self.fingerprint, self.valid = version, fingerprint, True
 
     def invalidate(self) -> None:
         self.valid = False
+        self.applier.forget()
 
 
 class DeltaSession:
-    """An update session seen through the delta base: loads decode first, commit and abort move the base.
+    """An update session seen through the delta base: a delta's keys are applied in place where the
+    plan allows (``weight_sync.reload.delta_apply``), the rest decoded and loaded whole; commit and
+    abort move the base.
 
     Both finishes move the base: ``finish()`` and the two-phase ``prepare()`` + ``commit()``. Everything
-    else (missing(), rollback, report, ...) is the wrapped session's.
+    else (missing(), rollback, report, ...) is the wrapped session's. The fingerprint is computed here
+    (from checksums moved by the changed words on a delta), in place of the session's.
     """
 
     def __init__(self, session: Any, base: ReceiverDeltaBase, mode: str) -> None:
@@ -274,40 +305,95 @@ class DeltaSession:
         object.__setattr__(self, "_base", base)
         object.__setattr__(self, "_mode", mode)
         object.__setattr__(self, "_dirty", False)  # whether the base was written by this update
+        object.__setattr__(self, "_want_fp", bool(session.compute_fingerprint))
+        object.__setattr__(self, "_fp", None)
+        object.__setattr__(self, "_layouts", {})
+        object.__setattr__(self, "_copied", set())
+        object.__setattr__(self, "_through", 0)
+        session.compute_fingerprint = False  # computed by the in-place update (prepare)
+        object.__setattr__(self, "_update", base.applier.begin(session, mode))
 
     def load(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> Any:
         object.__setattr__(self, "_dirty", True)
         if self._mode == "full":
             self._base.invalidate()
-        return self._inner.load([(name, self._base.take(name, t, self._mode)) for name, t in tensors])
+        update, manifest = self._update, self._inner.manifest
+        through = []
+        try:
+            for name, t in tensors:
+                targets = update.route(name)
+                if self._mode == "delta":
+                    if targets is None or manifest is None or name not in manifest:
+                        through.append((name, self._base.take(name, t, "delta")))
+                        continue
+                    if name in self._inner._arrived:
+                        raise DuplicateTensorError(f"{name}: arrived twice in update {self._inner.version!r}")
+                    meta = manifest[name]
+                    update.apply(name, t, math.prod(meta.shape), meta.dtype, targets)
+                    continue
+                if targets is None:
+                    self._base.take(name, t, "full")
+                    self._copied.add(name)
+                else:
+                    update.record(name, t, targets)
+                self._layouts[name] = (t.dtype, tuple(t.shape))
+                through.append((name, t))
+            object.__setattr__(self, "_through", self._through + len(through))
+            return self._inner.load(through) if through else None
+        except BaseException as e:
+            self._fail(e)
+            raise
 
     def finish(self) -> Any:
-        return self._committed(self._inner.finish)
+        self.prepare()
+        return self.commit()
 
     def prepare(self) -> Any:
         """The two-phase finish's first half (everything that can fail); the base moves only on commit."""
         try:
-            return self._inner.prepare()
-        except BaseException:
-            self._base.invalidate()
+            out = self._inner.prepare()
+            if self._want_fp:
+                object.__setattr__(self, "_fp", self._update.fingerprint(self._inner.model))
+            return out
+        except BaseException as e:
+            self._fail(e)
             raise
+
+    def prepared_summary(self) -> dict[str, Any]:
+        out = dict(self._inner.prepared_summary())
+        if self._want_fp:
+            out["fingerprint"] = self._fp
+        return out
 
     def commit(self) -> Any:
-        return self._committed(self._inner.commit)
-
-    def _committed(self, step: Any) -> Any:
         try:
-            report = step()
-        except BaseException:
-            self._base.invalidate()
+            report = self._inner.commit()
+        except BaseException as e:
+            self._fail(e)
             raise
-        self._base.commit(report.version, getattr(report, "fingerprint", None))
+        if self._want_fp:
+            report = replace(report, fingerprint=self._fp)
+            self._inner.report = report
+        self._update.commit()
+        full = self._mode == "full"
+        self._base.commit(report.version, report.fingerprint, self._layouts if full else None,
+                          self._copied if full else None)
+        self._base.last_stats = {"mode": self._mode, "in_place": self._update.num_in_place,
+                                 "requantized": self._update.num_requantized, "through_session": self._through}
         return report
 
+    def _fail(self, exc: BaseException) -> None:
+        self.abort(f"{type(exc).__name__}: {exc}")
+
     def abort(self, reason: str) -> Any:
-        if self._dirty:
-            self._base.invalidate()
-        return self._inner.abort(reason)
+        # The session first: its rollback restores whole layers from snapshots that may postdate
+        # in-place writes of this update; the in-place undo then restores the elements it wrote.
+        try:
+            return self._inner.abort(reason)
+        finally:
+            self._update.undo(f"update {self._inner.version!r} failed: {reason}")
+            if self._dirty:
+                self._base.invalidate()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)

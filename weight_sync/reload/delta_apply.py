@@ -1,0 +1,399 @@
+"""Applying a delta in place on an engine rank: changed values into live storage, quantized layers
+requantized only where the changes reach, checksums moved by the changed words alone.
+
+Delta sync's engine side (``weight_sync.transport.delta_sync`` drives it; the wire format is
+``weight_sync.transport.delta``). The plan already says where every checkpoint element lands: a
+:class:`~weight_sync.reload.plan.CopyOp` copies a (row-strided) slice of the checkpoint tensor into a
+contiguous run of a layer tensor. A key whose copies all have that shape gets a *route* of
+:class:`Target` s, one per copy:
+
+- ``live``: the destination is a live tensor that is its own model format (a direct layer's tensor, or
+  a quantized layer's bias, which processing leaves as loaded): the changed values are scattered into
+  it. Nothing is kept: the live bytes *are* the base.
+- ``quant``: the destination is the model-format weight of an online-quantized linear (fp8 per-tensor,
+  per-channel, block; int8), which the engine no longer holds once quantized. The engine keeps a
+  model-format copy of it (recorded during full updates; host memory, pinned when CUDA is there, by
+  default), writes the changes into the copy and requantizes only the rows / tiles / elements they reach
+  (:func:`weight_sync.quant.delta.apply_quantized_delta_`): bitwise what a full reload quantizes.
+
+Keys without a route (loader calls, column slices of more than one stride, destinations two keys
+write, layers processed otherwise, e.g. per expert) take the ordinary session path from a full tensor
+rebuilt from a checkpoint-format copy; a processed layer with one such key sends all of its keys that
+way, since the session processes a layer only from all of them.
+
+Transactions: every write of an update is undone on abort with rollback (the old values of the written
+elements, and host copies of requantized kernel tensors, taken before their first write), otherwise the
+written layers are marked torn, as the session does for its own writes.
+
+Checksums: the fingerprint's per-tensor checksum (``weight_sync.checksum``) is two sums of 32-bit words,
+so a scattered change moves it by ``(new - old)`` of the words it touches: a delta update checksums only
+its changed elements (and fully only the kernel tensors it requantized). The cached checksums describe
+the bytes the last committed update left; like the delta base itself, they assume nothing else writes
+the engine's weights between updates (any update that is not a delta drops them).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from weight_sync.checksum import tensor_checksums
+from weight_sync.errors import LayoutMismatchError
+from weight_sync.layers.tensors import iter_graph_visible_tensors
+from weight_sync.quant.delta import apply_quantized_delta_
+from weight_sync.quant.online import OnlineQuantLinearMethod
+from weight_sync.reload.plan import Plan
+from weight_sync.reload.report import fingerprint
+from weight_sync.reload.state import LayerInfo, ModelState
+from weight_sync.transport.delta import decode_delta
+
+__all__ = ["DeltaApplier", "InPlaceUpdate", "Target", "plan_routes"]
+
+_MASK32 = 0xFFFFFFFF
+_PERIOD = 65521  # the checksum's weight period (weight_sync.checksum)
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Where one copy of a checkpoint tensor lands in place.
+
+    The copy reads ``rows`` x ``cols`` elements of the (contiguous) checkpoint tensor starting at
+    ``src_offset`` with ``src_row_stride`` elements between rows, and writes them as one contiguous run
+    at element ``dst_offset`` of the destination (relative to the live tensor's start, or of the
+    model-format copy).
+    """
+
+    layer: str
+    tensor: str
+    kind: str  # 'live' or 'quant' (module docstring)
+    src_offset: int
+    rows: int
+    cols: int
+    src_row_stride: int
+    dst_offset: int
+    whole: bool  # the copy reads the whole checkpoint tensor as it is
+
+    @property
+    def numel(self) -> int:
+        return self.rows * self.cols
+
+
+def _contiguous_strides(size: tuple[int, ...]) -> tuple[int, ...]:
+    out, step = [], 1
+    for n in reversed(size):
+        out.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(out))
+
+
+def _live(mod: nn.Module, name: str) -> torch.Tensor | None:
+    t: torch.Tensor | None = mod._parameters.get(name)
+    if t is None:
+        t = mod._buffers.get(name)
+    return t
+
+
+def _usable(t: torch.Tensor | None) -> bool:
+    return t is not None and t.device.type != "meta" and t.is_contiguous() and t.dtype.itemsize in _INT_OF_SIZE
+
+
+def _kind(info: LayerInfo, tensor: str) -> str | None:
+    """How a copy into ``info``'s ``tensor`` is applied in place, or None (the session path)."""
+    mod = info.module
+    live = _live(mod, tensor)
+    if info.direct:
+        return "live" if _usable(live) else None
+    if info.unit_processor is not None or not info.processed:
+        return None
+    method = getattr(mod, "quant_method", None)
+    rec = info.records.get(tensor)
+    if not isinstance(method, OnlineQuantLinearMethod) or rec is None:
+        return None
+    if tensor == "weight":
+        q, s = _live(mod, "weight"), _live(mod, "weight_scale")
+        ok = (q is not None and s is not None and len(rec.shape) == 2 and tuple(q.shape) == tuple(rec.shape)
+              and tuple(rec.stride) == _contiguous_strides(tuple(rec.shape)))
+        return "quant" if ok else None
+    # Online quantization replaces the weight only: the layer's other tensors stay as loaded.
+    if _usable(live) and live is not None and live.dtype == rec.dtype and tuple(live.shape) == tuple(rec.shape):
+        return "live"
+    return None
+
+
+def _key_targets(state: ModelState, plan: Plan, name: str) -> tuple[Target, ...] | None:
+    kp = plan.keys.get(name)
+    if kp is None or kp.mode != "copy" or not kp.ops:
+        return None
+    total = math.prod(kp.shape)
+    out = []
+    for op in kp.ops:
+        info = state.layers.get(op.layer)
+        if info is None or tuple(op.dst_size) != tuple(op.src_size):
+            return None
+        size = tuple(op.src_size)
+        if tuple(op.dst_stride) != _contiguous_strides(size):
+            return None
+        # The source: contiguous, or the rows of a wider tensor (a column shard).
+        if tuple(op.src_stride) == _contiguous_strides(size):
+            rows, cols, row_stride = 1, math.prod(size), math.prod(size)
+        elif len(size) == 2 and op.src_stride[1] == 1 and op.src_stride[0] >= size[1]:
+            rows, cols, row_stride = size[0], size[1], op.src_stride[0]
+        else:
+            return None
+        kind = _kind(info, op.tensor)
+        if kind is None:
+            return None
+        whole = op.src_offset == 0 and rows * cols == total and row_stride == cols
+        out.append(Target(op.layer, op.tensor, kind, op.src_offset, rows, cols, row_stride, op.dst_offset, whole))
+    return tuple(out)
+
+
+def plan_routes(state: ModelState, plan: Plan, names: Iterable[str]) -> dict[str, tuple[Target, ...] | None]:
+    """Every key's in-place route (None: the session path), for the keys of one update."""
+    routes = {name: _key_targets(state, plan, name) for name in names}
+    # A destination two keys write (tied weights, overlapping copies) may hold the other key's bytes:
+    # it is no base for either key's delta.
+    spans: dict[tuple[str, str], list[tuple[int, int, str]]] = {}
+    for name, targets in routes.items():
+        for t in targets or ():
+            spans.setdefault((t.layer, t.tensor), []).append((t.dst_offset, t.dst_offset + t.numel, name))
+    for items in spans.values():
+        items.sort()
+        end, owner = -1, ""
+        for lo, hi, name in items:
+            if lo < end:
+                routes[name] = routes[owner] = None
+            if hi > end:
+                end, owner = hi, name
+    # The session processes a layer only from all of its keys: one key on the session path takes the
+    # layer's other keys with it (repeated, since such a key may reach a further processed layer).
+    changed = True
+    while changed:
+        changed = False
+        for name in [n for n, r in routes.items() if r is None]:
+            kp = plan.keys.get(name)
+            for layer in kp.layers if kp is not None else ():
+                info = state.layers.get(layer)
+                if info is None or info.direct:
+                    continue
+                for other in plan.layer_keys.get(layer, ()):
+                    if routes.get(other) is not None:
+                        routes[other] = None
+                        changed = True
+    return routes
+
+
+def _select(t: Target, pos: torch.Tensor, vals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The changes that fall in ``t``'s copy, as element indices inside its destination run."""
+    if t.whole:
+        return pos, vals
+    q = pos - t.src_offset
+    if t.rows == 1:
+        keep = (q >= 0) & (q < t.cols)
+        return q[keep], vals[keep]
+    r, c = q // t.src_row_stride, q % t.src_row_stride
+    keep = (q >= 0) & (r < t.rows) & (c < t.cols)
+    return (r * t.cols + c)[keep], vals[keep]
+
+
+def _as_int(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == torch.bool else t.view(_INT_OF_SIZE[t.dtype.itemsize])
+
+
+def checksum_change(byte_pos: torch.Tensor, old: torch.Tensor, new: torch.Tensor, itemsize: int) -> torch.Tensor:
+    """int64 ``[plain, weighted]``: how writing ``new`` over ``old`` (integer views, one element each at
+    byte offset ``byte_pos`` of a tensor) moves that tensor's two checksum sums, mod 2**32."""
+    if itemsize == 8:
+        o, n = old.to(torch.int64), new.to(torch.int64)
+        d = torch.cat([(n & _MASK32) - (o & _MASK32), ((n >> 32) & _MASK32) - ((o >> 32) & _MASK32)])
+        words = torch.cat([byte_pos >> 2, (byte_pos >> 2) + 1])
+    else:
+        mask = (1 << (8 * itemsize)) - 1
+        d = (new.to(torch.int64) & mask) - (old.to(torch.int64) & mask)
+        if itemsize < 4:
+            d = d << ((byte_pos & 3) * 8)  # little-endian: the element's bytes inside its word
+        words = byte_pos >> 2
+    d = d & _MASK32  # each term mod 2**32: sums of up to 2**31 terms fit int64
+    weighted = (d * (words % _PERIOD + 1)) & _MASK32
+    return torch.stack([d.sum(), weighted.sum()])
+
+
+class InPlaceUpdate:
+    """One update's in-place writes on one engine rank: what they changed, how to undo them."""
+
+    def __init__(self, applier: DeltaApplier, session: Any, mode: str) -> None:
+        self.applier = applier
+        self.session = session
+        self.mode = mode
+        self.state: ModelState = session.state
+        self.routes = plan_routes(self.state, session.plan, session.expected or ())
+        self.touched: set[str] = set()
+        self._element_snaps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._whole_snaps: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._sum_changes: dict[int, list[torch.Tensor]] = {}
+        self._dirty: set[int] = set()
+        self.recorded: set[tuple[str, str]] = set()
+        self.num_in_place = 0
+        self.num_requantized = 0
+        self.pending_checksums: dict[int, tuple[int, torch.dtype, tuple[int, ...], int]] | None = None
+
+    def route(self, name: str) -> tuple[Target, ...] | None:
+        if name not in self.routes:  # a key the manifest did not list (the session refuses it)
+            self.routes[name] = _key_targets(self.state, self.session.plan, name)
+        return self.routes[name]
+
+    def record(self, name: str, tensor: torch.Tensor, targets: tuple[Target, ...]) -> None:
+        """A full update's tensor: copy its slices into the model-format copies of quantized weights."""
+        src = tensor.contiguous().reshape(-1)
+        for t in targets:
+            if t.kind != "quant":
+                continue
+            base = self.applier.model_format_copy(self.state.layers[t.layer], t.tensor)
+            dst = base.view(-1)[t.dst_offset : t.dst_offset + t.numel]
+            part = src if t.whole else src.as_strided((t.rows, t.cols), (t.src_row_stride, 1),
+                                                      src.storage_offset() + t.src_offset)
+            dst.view(t.rows, t.cols).copy_(part.reshape(t.rows, t.cols))
+            self.recorded.add((t.layer, t.tensor))
+
+    def apply(self, name: str, payload: torch.Tensor, meta_numel: int, dtype: torch.dtype,
+              targets: tuple[Target, ...]) -> None:
+        """Decode one tensor's delta and write it in place along ``targets``."""
+        pos, vals = decode_delta(payload, meta_numel, dtype)  # checked whole before any write
+        for t in targets:
+            info = self.state.layers[t.layer]
+            idx, v = _select(t, pos, vals)
+            if t.kind == "live":
+                self._scatter(info, t, idx, v)
+            else:
+                self._requantize(info, t, idx, v, dtype)
+        self.session._arrived.add(name)  # applied here, not through load(): completion counts it
+        self.session._num_bytes += payload.numel()
+        self.num_in_place += 1
+
+    def _scatter(self, info: LayerInfo, t: Target, idx: torch.Tensor, v: torch.Tensor) -> None:
+        live = _live(info.module, t.tensor)
+        assert live is not None  # routed only to existing live tensors
+        region = _as_int(live.detach().view(-1)[t.dst_offset : t.dst_offset + t.numel])
+        idx = idx.to(region.device)
+        v = v.to(region.device)
+        old = region[idx]
+        self.touched.add(info.name)
+        if self.session.rollback:
+            self._element_snaps.append((region, idx, old))
+        region[idx] = v
+        change = checksum_change((idx + t.dst_offset) * live.element_size(), old, v, live.element_size())
+        self._sum_changes.setdefault(id(live), []).append(change)
+
+    def _requantize(self, info: LayerInfo, t: Target, idx: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> None:
+        mod = info.module
+        base = self.applier.bases.get((info.name, t.tensor))
+        if base is None or base.dtype != dtype:
+            raise LayoutMismatchError(
+                f"{info.name}.{t.tensor}: a delta needs the model-format copy recorded by the last full "
+                f"update in {dtype}, found {'none' if base is None else base.dtype}"
+            )
+        q, s = _live(mod, "weight"), _live(mod, "weight_scale")
+        assert q is not None and s is not None  # checked when routed
+        if self.session.rollback and info.name not in self._whole_snaps:
+            self._whole_snaps[info.name] = [(x, x.detach().to("cpu", copy=True)) for x in (q, s)]
+        self.touched.add(info.name)
+        self._dirty.update((id(q), id(s)))
+        method = mod.quant_method
+        assert isinstance(method, OnlineQuantLinearMethod)  # checked when routed
+        apply_quantized_delta_(method, base, idx + t.dst_offset, v.view(dtype), q.detach(), s.detach(),
+                               getattr(mod, "tp_group", None))
+        self.num_requantized += 1
+
+    def fingerprint(self, model: nn.Module) -> str:
+        """The model's fingerprint after this update, from cached checksums moved by the changes where
+        they are known; the checksums become the cache's on :meth:`commit`."""
+        cache = self.applier.checksums if self.mode == "delta" else {}
+        items = [t for _, t in iter_graph_visible_tensors(model) if t.device.type != "meta"]
+        known: dict[int, int] = {}
+        moved: list[tuple[torch.Tensor, int, torch.Tensor]] = []
+        todo = []
+        for t in items:
+            c = cache.get(id(t))
+            if c is None or id(t) in self._dirty or c[:3] != (t.data_ptr(), t.dtype, tuple(t.shape)):
+                todo.append(t)
+            elif id(t) in self._sum_changes:
+                moved.append((t, c[3], torch.stack(self._sum_changes[id(t)]).sum(0)))
+            else:
+                known[id(t)] = c[3]
+        if moved:
+            sums = torch.stack([m[2].to("cpu") for m in moved]).tolist()  # one read-back per update
+            for (t, value, _), (d_plain, d_weighted) in zip(moved, sums):
+                nbytes = t.numel() * t.element_size()
+                halves = value ^ nbytes
+                hi = ((halves >> 32) + d_plain) & _MASK32
+                lo = ((halves & _MASK32) + d_weighted) & _MASK32
+                known[id(t)] = ((hi << 32) | lo) ^ nbytes
+        known.update(zip(map(id, todo), tensor_checksums(todo)))
+        self.pending_checksums = {id(t): (t.data_ptr(), t.dtype, tuple(t.shape), known[id(t)]) for t in items}
+        return fingerprint(model, known)
+
+    def commit(self) -> None:
+        if self.pending_checksums is not None:
+            self.applier.checksums = self.pending_checksums
+        if self.mode == "full":
+            self.applier.keep_only(self.recorded)
+
+    def undo(self, reason: str) -> None:
+        """Undo this update's in-place writes (rollback) or mark their layers torn; drop the caches."""
+        self.applier.checksums = {}
+        if not self.touched:
+            return
+        if self.session.rollback:
+            with torch.no_grad():
+                for region, idx, old in reversed(self._element_snaps):
+                    region[idx] = old
+                for snaps in self._whole_snaps.values():
+                    for live, host in snaps:
+                        live.detach().copy_(host)
+        else:
+            self.state.tear(self.touched, reason)
+        self._element_snaps.clear()
+        self._whole_snaps.clear()
+
+
+class DeltaApplier:
+    """An engine rank's in-place delta state across updates: the model-format copies of quantized
+    weights and the checksums of the tensors the last committed update left."""
+
+    def __init__(self, device: str | torch.device = "cpu") -> None:
+        self.device = torch.device(device)
+        self.bases: dict[tuple[str, str], torch.Tensor] = {}
+        self.checksums: dict[int, tuple[int, torch.dtype, tuple[int, ...], int]] = {}
+
+    @property
+    def nbytes(self) -> int:
+        """Memory the model-format copies hold (bytes)."""
+        return sum(t.numel() * t.element_size() for t in self.bases.values())
+
+    def begin(self, session: Any, mode: str) -> InPlaceUpdate:
+        return InPlaceUpdate(self, session, mode)
+
+    def model_format_copy(self, info: LayerInfo, tensor: str) -> torch.Tensor:
+        """The kept model-format copy of ``info``'s ``tensor`` (zero-filled when new: unwritten
+        regions are padding, zero as in the session's staging)."""
+        rec = info.records[tensor]
+        key = (info.name, tensor)
+        base = self.bases.get(key)
+        if base is None or base.dtype != rec.dtype or tuple(base.shape) != tuple(rec.shape):
+            pin = self.device.type == "cpu" and torch.cuda.is_available()
+            base = torch.zeros(tuple(rec.shape), dtype=rec.dtype, device=self.device, pin_memory=pin)
+            self.bases[key] = base
+        return base
+
+    def keep_only(self, keys: set[tuple[str, str]]) -> None:
+        for key in [k for k in self.bases if k not in keys]:
+            del self.bases[key]
+
+    def forget(self) -> None:
+        self.checksums = {}
