@@ -14,51 +14,33 @@ otherwise the model is marked torn and refuses to serve). An engine that fails t
 before this receiver took the sender's call, ends it the same way with ``abort_weight_update(error)``.
 A dead or silent peer raises within the timeout and breaks the transport; from connect to close a
 heartbeat (``liveness``) lets the sender name this receiver if its process dies or is stopped.
+
+This module holds the protocol's states (which update is open, which phase the sender is in, the
+status exchanges that make every rank agree); how a call's bytes become session loads is the
+:class:`~weight_sync.transport.receiver_link.ReceiverLink`'s job (buffers, bucket layouts, checks,
+zero-copy imports), so an update's data walks forward: link -> receiver -> update session.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import socket
 from datetime import timedelta
 from typing import Any
 
 import torch
 from torch import nn
 
-from weight_sync.checksum import prepare_checksum
 from weight_sync.errors import TransportError, TransportTimeout, UpdateStateError
-from weight_sync.layers.streams import device_shim
 from weight_sync.manifest import Manifest
-from weight_sync.transport.buffers import (
-    allocate_buffers,
-    device_uuid,
-    import_ipc_buffer,
-    open_shm_buffer,
-)
-from weight_sync.transport.checks import BucketChecks
 from weight_sync.transport.config import VERIFY_MODES
-from weight_sync.transport.consumer import BucketConsumer
 from weight_sync.transport.delta_sync import DeltaSession, ReceiverDeltaBase, is_delta_refusal
 from weight_sync.transport.disk import DiskReader
-from weight_sync.transport.doorbell import Link, connect_doorbell
-from weight_sync.transport.group import Channel, Deadline, join_store, make_group, poll, warm_up
-from weight_sync.transport.layout import LayoutCache
+from weight_sync.transport.group import Channel, join_store
 from weight_sync.transport.liveness import Heartbeat
-from weight_sync.transport.planes import BroadcastReceiverPlane, SharedReceiverPlane
+from weight_sync.transport.receiver_link import ReceiverLink, join_link, open_plane
 from weight_sync.transport.status import raise_agreed, status_of
-from weight_sync.transport.wire import (
-    TRAILER_BYTES,
-    ControlHeader,
-    Hello,
-    IpcBufferHandle,
-    ShmBufferHandle,
-    WireParams,
-    b64decode,
-)
-from weight_sync.transport.zerocopy import RegionImporter, load_in_place
+from weight_sync.transport.wire import ControlHeader, WireParams
 
 __all__ = ["WeightReceiver"]
 
@@ -121,16 +103,8 @@ class WeightReceiver:
         self._session: Any = None
         self._manifest: Manifest | None = None
         self._manifests: dict[int, Manifest] = {}  # the last manifest received in full, by update seq
-        self._channel: Channel | None = None
-        self._plane: BroadcastReceiverPlane | SharedReceiverPlane | None = None
-        self._buffers: list[torch.Tensor] = []
-        self._consumer: BucketConsumer | None = None  # the bucket loop (not with zero-copy), set at connect
-        # Each bucket's trailer and checksum, recorded on the device and read back per call; set at connect.
-        self._checks: BucketChecks | None = None
-        self._layouts: LayoutCache | None = None  # bucket layouts by call, set at connect
-        self._link: Link | None = None
-        self._zc: RegionImporter | None = None  # zero-copy: the sender's storages, imported once
-        self._zc_event: Any = None  # zero-copy ipc: the sender's "tensors produced" event
+        # The connected transport (channel, data plane, buffers, bucket checks), set at connect.
+        self._link: ReceiverLink | None = None
         self._store: Any = None
         self._disk: DiskReader | None = None
         self._heartbeat: Heartbeat | None = None
@@ -166,77 +140,11 @@ class WeightReceiver:
                 f"{list(VERIFY_MODES)}"
             )
         self.params = params
-        self._layouts = LayoutCache(params.bucket_bytes, params.align_bytes)
-        device = self.device
-        if params.backend in ("nccl", "ipc"):
-            if device.type != "cuda":
-                raise TransportError(
-                    f"[rank {self.rank}] backend {params.backend!r} needs the engine on a CUDA device, got {device}"
-                )
-            if device.index is None:
-                device = torch.device("cuda", torch.cuda.current_device())
-            torch.cuda.set_device(device)
-        else:
-            device = torch.device("cpu")
-        self.buffer_device = device
-        self.shim = device_shim(device)
-        prepare_checksum(device)
-        hello = Hello(rank=self.rank, host=socket.gethostname(), pid=os.getpid(), device=str(device),
-                      device_uuid=device_uuid(device) if device.type == "cuda" else None)
-        store.set(f"{PREFIX}/hello/{self.rank}", hello.to_json())
-        ctl = make_group("gloo", store, f"{PREFIX}/ctl", self.rank, params.world_size, params.timeout_s)
-        self._channel = Channel(ctl, self.rank, params.world_size, params.timeout_s, "the sender (rank 0)")
-        self._checks = BucketChecks(self.rank, params.checksum, self._channel, self.shim)
-        nbytes = params.bucket_bytes + TRAILER_BYTES
-        error: BaseException | None = None
-        if params.backend in ("nccl", "gloo"):
-            data = make_group(params.backend, store, f"{PREFIX}/data", self.rank, params.world_size, params.timeout_s)
-            self._channel.add_group(data)
-            self._buffers = allocate_buffers(params.num_buffers, nbytes, device)
-            self._plane = BroadcastReceiverPlane(self._channel, data, self._buffers, self.shim)
-            warm_up(self._channel, data, device)
-        else:
-            events: list[Any] | None = None
-            try:
-                if params.zero_copy:
-                    self._zc = RegionImporter(params.backend, self.rank, device)
-                    if params.backend == "ipc":
-                        handle = json.loads(store.get(f"{PREFIX}/events"))[0]
-                        self._zc_event = torch.cuda.Event.from_ipc_handle(device, b64decode(handle))
-                elif params.backend == "shm":
-                    raw = json.loads(store.get(f"{PREFIX}/buffers"))
-                    self._buffers = [open_shm_buffer(ShmBufferHandle.from_dict(d)) for d in raw]
-                else:
-                    raw = json.loads(store.get(f"{PREFIX}/buffers/{self.rank}"))
-                    self._buffers = [import_ipc_buffer(IpcBufferHandle.from_dict(d)) for d in raw]
-                    # The sender's packing events (one per buffer): our compute stream waits on them.
-                    handles = json.loads(store.get(f"{PREFIX}/events"))
-                    events = [torch.cuda.Event.from_ipc_handle(self._buffers[0].device, b64decode(h))
-                              for h in handles]
-                if self._buffers:
-                    prepare_checksum(self._buffers[0].device)  # an IPC import may be another device index
-                expected = 0 if params.zero_copy else params.num_buffers
-                if len(self._buffers) != expected or any(b.numel() != nbytes for b in self._buffers):
-                    raise TransportError(
-                        f"[rank {self.rank}] connect: expected {expected} shared buffers of {nbytes} "
-                        f"bytes, got {[b.numel() for b in self._buffers]}"
-                    )
-            except Exception as e:
-                error = e
-            try:
-                # Always open the doorbell, even after a failure above: the hello carries the outcome, so
-                # the sender is not left waiting for this receiver's link until its timeout.
-                info = json.loads(store.get(f"{PREFIX}/doorbell"))
-                outcome = {"ok": error is None, "error": None if error is None else f"{type(error).__name__}: {error}"}
-                self._link = connect_doorbell(info, self.rank, outcome, params.timeout_s)
-                self._channel.on_fail(self._link.close)
-            except Exception as e:
-                error = error or e
-            self._plane = SharedReceiverPlane(self._channel, self._link, self._buffers, self.shim, events)
-        if self._plane is not None and self._zc is None:
-            self._consumer = BucketConsumer(self.rank, self._plane, self._buffers, self._checks, device,
-                                            params.verify == "deferred", bool(self.session_options["rollback"]))
-        statuses = self._channel.exchange_status(status_of(self.rank, "connect", error))
+        self._link = join_link(store, params, self.rank, self.device)
+        self.buffer_device = self._link.device
+        self.shim = self._link.shim
+        error = open_plane(self._link, rollback=bool(self.session_options["rollback"]))
+        statuses = self._link.channel.exchange_status(status_of(self.rank, "connect", error))
         raise_agreed(statuses, "connect", params.world_size, local=error)
         # From here on the sender can tell this rank's death (or SIGSTOP) from a slow peer, and name it.
         self._heartbeat = Heartbeat(self.address, self.rank, params.timeout_s)
@@ -291,30 +199,25 @@ class WeightReceiver:
                 self._state = "idle"
 
     def _device_drained(self) -> bool:
-        """Whether the compute stream finishes its queued work within the timeout (always, off CUDA).
+        """Whether the compute stream drains within the timeout (always, off CUDA or unconnected)."""
+        return True if self._link is None else self._link.drained()
 
-        With deferred verification the compute stream may hold loads queued behind receives (or, ipc,
-        behind the sender's packing) when a failure is raised; a broken channel has aborted its groups,
-        which ends stuck collectives, so this normally returns at once.
-        """
-        shim = getattr(self, "shim", None)
-        if shim is None or not shim.is_cuda:
-            return True
-        ev = shim.event()
-        ev.record(shim.current_stream())
-        timeout = self.params.timeout_s if self.params is not None else 60.0
+    # ------------------------------------------------------------------ the link's parts, by name
+    @property
+    def _channel(self) -> Channel | None:
+        return None if self._link is None else self._link.channel
 
-        class _Stuck(Exception):
-            pass
+    @property
+    def _plane(self) -> Any:
+        return None if self._link is None else self._link.plane
 
-        try:
-            poll(ev.query, Deadline(timeout), _Stuck)
-        except _Stuck:
-            log.error("[rank %d] the device did not drain within %.1f s", self.rank, timeout)
-            if self._channel is not None:
-                self._channel.fail(f"[rank {self.rank}] the device stream is stuck behind a transfer")
-            return False
-        return True
+    @property
+    def _buffers(self) -> list[torch.Tensor]:
+        return [] if self._link is None else self._link.buffers
+
+    @property
+    def _zc(self) -> Any:
+        return None if self._link is None else self._link.zc
 
     @property
     def is_open(self) -> bool:
@@ -453,45 +356,8 @@ class WeightReceiver:
         self._handle(header, header.kind, error)
 
     def _on_call(self, header: ControlHeader, error: BaseException | None) -> int:
-        assert self._channel is not None and self._plane is not None and self.params is not None
-        if self._manifest is None or self._session is None:
-            error = error or UpdateStateError(f"[rank {self.rank}] update_weights arrived without an open update")
-        assert self._layouts is not None  # set at connect
-        if header.zero_copy is not None:
-            return self._on_zero_copy_call(header, error)
-        # Without a manifest (this rank has no open update) the call is planned as empty.
-        layout = self._layouts.get(self._manifest.tensors if self._manifest else (), header.first, header.count)
-        if layout.num_buckets != header.num_buckets:
-            msg = (f"[rank {self.rank}] update_weights: the sender cut tensors {header.first}..."
-                   f"{header.first + header.count} into {header.num_buckets} buckets, this receiver into "
-                   f"{layout.num_buckets}; sender and receiver run different weight_sync versions")
-            self._channel.fail(msg)
-            raise TransportError(msg)
-        assert self._consumer is not None  # set at connect (every backend but zero-copy and disk)
-        loaded, error = self._consumer.consume_call(header, layout, self._session, self._version, error)
-        statuses = self._channel.exchange_status(status_of(self.rank, "update_weights", error))
-        raise_agreed(statuses, "update_weights", self._channel.size, local=error)
-        return loaded
-
-    def _on_zero_copy_call(self, header: ControlHeader, error: BaseException | None) -> int:
-        """A call without buffers: import the new regions, load from the sender's memory in place."""
-        assert self._channel is not None
-        zc = header.zero_copy or {}
-        table = zc.get("table")
-        loaded = 0
-        try:
-            if self._zc is None:
-                raise TransportError(f"[rank {self.rank}] a zero-copy call arrived on a transport without zero_copy")
-            self._zc.add(zc.get("regions") or [])
-            if table is None:
-                self._zc.drop(None, reset=True)  # the sender failed: release this call's exports too
-            elif error is None:
-                metas = self._manifest.tensors[header.first : header.first + header.count]  # type: ignore[union-attr]
-                loaded = load_in_place(self._zc, (header.first, header.count), zc, metas, self._session,
-                                       self._channel, self._zc_event, self.shim)
-        except Exception as e:
-            error = error or e
-            log.error("[rank %d] update %r: zero-copy call %d: %s", self.rank, self._version, header.call, e)
+        assert self._channel is not None and self._link is not None
+        loaded, error = self._link.consume_call(header, self._manifest, self._session, self._version, error)
         statuses = self._channel.exchange_status(status_of(self.rank, "update_weights", error))
         raise_agreed(statuses, "update_weights", self._channel.size, local=error)
         return loaded
@@ -555,7 +421,8 @@ class WeightReceiver:
     @property
     def staging_bytes(self) -> int:
         """Bytes of the staging tensor that reassembles tensors split across buckets (0 if none yet)."""
-        staging = None if self._consumer is None else self._consumer.staging
+        consumer = None if self._link is None else self._link.consumer
+        staging = None if consumer is None else consumer.staging
         return 0 if staging is None else staging.numel()
 
     @property
@@ -600,18 +467,9 @@ class WeightReceiver:
         # Nothing may still read the buffers when they are dropped (an IPC import is released with them);
         # a bounded wait, not torch.cuda.synchronize, which has no deadline.
         self._device_drained()
-        self._plane = None
         if self._link is not None:
             self._link.close()
             self._link = None
-        self._checks = None  # its device intermediates go with the buffers
-        self._consumer = None  # its views of the buffers and its staging go with them
-        self._buffers = []  # drops the single import of each IPC buffer (its reference is released)
-        if self._zc is not None:
-            self._zc.close()  # zero-copy: releases every import of the sender's storages
-        if self._channel is not None:
-            self._channel.close()
-        self._channel = None
         self._store = None
         self._state = "closed"
 
