@@ -1,4 +1,5 @@
-"""FSDP2 / DTensor source: gather one block at a time on every rank, send from one rank.
+"""FSDP2 / DTensor source: gather one block at a time on every rank, send from one rank (or, with
+:meth:`FSDPSource.shards`, send every rank's own pieces over the sharded data plane).
 
 Every trainer rank iterates the source in lockstep: for each block, all ranks call ``full_tensor()`` on
 the block's sharded parameters (an all-gather each, in the same order everywhere), then all ranks agree
@@ -35,7 +36,9 @@ from trainers.names import NameMap
 from trainers.sources import ModuleSource, SourceEntry
 from weight_sync.errors import SourceError, TransportTimeout
 from weight_sync.layers import group_by_block
+from weight_sync.manifest import Manifest
 from weight_sync.transport.group import Deadline, poll, wait_gloo
+from weight_sync.transport.routes import Holding
 
 __all__ = ["FSDPSource"]
 
@@ -88,6 +91,33 @@ class FSDPSource(ModuleSource):
 
     def materialize(self, t: torch.Tensor) -> torch.Tensor:
         return t.full_tensor().detach() if _is_dtensor(t) else t.detach()
+
+    def shards(self, version: Any = None) -> tuple[list[Holding], dict[str, torch.Tensor], Manifest]:
+        """This rank's part of a sharded update (no collective): (holdings, local pieces, manifest).
+
+        Holdings come from the DTensor placements (the same on every rank; plain tensors are held whole by
+        every rank of the group), local pieces are ``to_local()`` views cast to the wire dtype (a copy
+        only when the dtype changes), the manifest lists global shapes in block order. Pass them to
+        :meth:`weight_sync.transport.ShardedSender.send` on every trainer rank at once. LoRA factors are
+        not merged here (a merge needs the whole tensor): a source with factors is refused.
+        """
+        from weight_sync.transport.routes_layouts import holdings_from_dtensors
+
+        merged = [e.name for e in self.entries if e.factors]
+        if merged:
+            raise SourceError(f"{merged[0]}: LoRA factors are merged into whole tensors; a sharded update sends "
+                              "pieces (merge the adapters into the base weights first)")
+        group_ranks = dist.get_process_group_ranks(self.group or dist.group.WORLD)
+        holdings = holdings_from_dtensors(((e.name, e.tensor) for e in self.entries), plain_ranks=group_ranks)
+        local = {}
+        for i, (e, h) in enumerate(zip(self.entries, holdings)):
+            t = e.tensor.detach()
+            piece = t.to_local() if _is_dtensor(t) else t
+            dtype = self._dtype(e.tensor)
+            local[e.name] = piece if piece.dtype == dtype else piece.to(dtype)
+            if h.dtype != dtype:  # the wire dtype (a cast source): same boxes
+                holdings[i] = Holding(name=h.name, shape=h.shape, dtype=dtype, pieces=h.pieces)
+        return holdings, local, self.manifest(version)
 
     def _track(self, t: torch.Tensor) -> None:
         n = t.numel() * t.element_size()

@@ -19,6 +19,8 @@ Route plans (:mod:`.routes`) say, for a sharded transfer, which trainer rank sen
 which tensor to which engine rank: trainer ranks announce their holdings (DTensor placements, FSDP
 ``Shard(0)``, whole tensors), engine ranks their needs (from their reload plan, or for the reference
 engine from its config), and :func:`plan_routes` intersects and validates them before any byte moves.
+The sharded data plane (``ShardedSender`` on every trainer rank, ``ShardedReceiver`` on every engine
+rank) moves exactly those regions point to point, each engine rank receiving only its shard.
 
 Every bucket carries an on-device checksum compared end to end. ``TransportConfig.verify``: 'deferred'
 (default) compares trailers and checksums on the device while buckets keep flowing and reads the verdict
@@ -28,11 +30,10 @@ bucket loop the host never waits for the device except to stay a bounded number 
 buffer reuse is ordered with events. Metadata is JSON, never pickle; every wait has a timeout; a failure
 on any rank is agreed through a status exchange and raised on every rank.
 
-Limitations: one sender (rank 0) per transport; every receiver gets the full model (no resharding
-transfer: each engine rank shards what it receives); tensors must be produced in the manifest's block
-order; route plans are computed and validated, but no backend moves regions yet (the sharded data
-plane is issue 17 part 2); after a communication failure (dead peer, timeout) the transport is broken
-and must be connected again; ``ipc`` needs the receivers on the sender's physical GPU.
+Limitations: ``WeightSender`` is one sender (rank 0) per transport whose receivers each get the full
+model (the sharded plane is the resharding transfer); tensors must be produced in the manifest's block
+order; after a communication failure (dead peer, timeout) the transport is broken and must be connected
+again; ``ipc`` needs the receivers on the sender's physical GPU.
 """
 
 from weight_sync.checksum import bucket_checksum, checksum_value
@@ -72,6 +73,8 @@ from weight_sync.transport.routes_reference import (
     reference_engine_needs,
 )
 from weight_sync.transport.sender import TransferReport, WeightSender
+from weight_sync.transport.sharded import ShardedConfig, ShardedReport, ShardedSender
+from weight_sync.transport.sharded_receiver import ShardedReceiver
 from weight_sync.transport.status import AgreedChecksumError, AgreedManifestError, AgreedSourceError
 
 __all__ = [
@@ -92,6 +95,10 @@ __all__ = [
     "RoutePlan",
     "RoutePlanCache",
     "Segment",
+    "ShardedConfig",
+    "ShardedReceiver",
+    "ShardedReport",
+    "ShardedSender",
     "TransferReport",
     "TransportConfig",
     "WeightReceiver",
