@@ -170,7 +170,7 @@ def test_a_quantized_engine_takes_a_full_first_staged_update_and_matches_a_fresh
     staging = engine.enable_staging()
     assert not staging.seeded
     w = _weights(1)
-    with pytest.raises(UpdateStateError, match="first staged update must be a full one"):
+    with pytest.raises(UpdateStateError, match="must be a full one"):
         staging.begin_update(Manifest.from_named_tensors(w[:3]), version=2, allow_partial=True)
     _stage(engine, 1, 2)
     assert engine.commit_staged() is not None
@@ -182,3 +182,15 @@ def test_commit_staged_is_refused_while_the_engine_generates() -> None:
     engine.enable_staging()
     with pytest.raises(UpdateStateError, match="while generate"):
         engine.generate_with_versions(PROMPTS, 3, on_step=lambda n: engine.commit_staged() and None)
+
+
+def test_a_partial_staged_update_is_refused_after_a_direct_update_of_the_live_model() -> None:
+    engine = _engine(0)
+    staging = engine.enable_staging()
+    w = _weights(1)
+    with engine.begin_update(Manifest.from_named_tensors(w), version=2) as s:
+        s.load(w)
+    with pytest.raises(UpdateStateError, match="updated directly since the last commit"):
+        staging.begin_update(Manifest.from_named_tensors(w[:3]), version=3, allow_partial=True)
+    _stage(engine, 2, 3)
+    assert engine.generate(PROMPTS, NEW) == _engine(2).generate(PROMPTS, NEW)

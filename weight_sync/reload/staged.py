@@ -15,6 +15,9 @@ Guarantees:
   twin's session; the live model is never written, and nothing is pending.
 - A staged update that has not been committed when the next one begins is superseded by it (the twin
   holds the newer version; a failed newer update that was rolled back makes the older one pending again).
+- A partial staged update (a delta) applies to the served version: it is refused when the twin does
+  not hold it (no full staged update yet on a quantized model, or a direct update of the live model
+  since the last commit).
 - The twin's kernel layout must equal the live model's (names, shapes, dtypes, checked as a
   post-update hook of the twin, so a mismatch fails the staged update rather than the commit).
 
@@ -221,10 +224,15 @@ class StagedWeights:
     def begin_update(self, manifest: Any = None, **options: Any) -> UpdateSession:
         """Open an update on the twin (the options of :func:`weight_sync.begin_update`); the live model
         keeps serving. A staged version not yet committed is superseded by this one."""
+        if get_state(self.live).version != self.committed_version:
+            # The live model was updated directly since the last commit: the twin no longer holds the
+            # served version, so a partial update on it would apply to the wrong base.
+            self.seeded = False
         if options.get("allow_partial") and not self.seeded:
             raise UpdateStateError(
-                "the staging twin holds no committed version yet (a quantized live model cannot seed it): "
-                "its first staged update must be a full one, got allow_partial=True"
+                "the staging twin does not hold the served version (a quantized live model cannot seed it, "
+                "or the live model was updated directly since the last commit): the next staged update "
+                "must be a full one, got allow_partial=True"
             )
         with self._lock:
             copied, self._copied = self._copied, None
