@@ -214,3 +214,36 @@ def test_nccl_allgather_dp2_quantized_output_is_bitwise_equal_to_the_resident_qu
     for r in results:
         assert r["equal"] and r["equal_after_disable"]
         assert 0.24 <= r["metrics"]["host_bytes"] / r["dense_block_bytes"] <= 0.28
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["fp8_block", "fp8_per_channel"])
+@pytest.mark.parametrize("source", ["cuda", "pinned"])
+def test_gpu_an_update_of_a_quantized_offload_requantizes_on_the_device_into_a_fresh_loads_arena_bytes(
+    name: str, source: str
+) -> None:
+    import weight_sync
+    from weight_sync.quant.modules import quantize_linears
+
+    _, a = _pair()
+    torch.manual_seed(3)
+    b = SyntheticDiTPipeline(DIT).to(torch.bfloat16).eval().requires_grad_(False)
+    named = [(k, v.detach().cuda() if source == "cuda" else v.detach().pin_memory())
+             for k, v in b.transformer.state_dict().items()]
+    ref = copy.deepcopy(b)
+    for block in ref.transformer.blocks:
+        quantize_linears(block, name)
+    ref = ref.cuda()
+    expected = ref.generate(tokens=512, num_inference_steps=3, seed=1)
+    fresh = copy.deepcopy(b)
+    with enable_layerwise_offload(fresh, _cfg(dlo_use_allgather=False, quantization=name)) as hf:
+        fresh_arena = hf.store.arena.clone()  # type: ignore[union-attr]  # quantized on the host at load
+    with enable_layerwise_offload(a, _cfg(dlo_use_allgather=False, quantization=name)) as handle:
+        a.generate(tokens=512, num_inference_steps=1, seed=1)
+        manifest = weight_sync.Manifest.from_named_tensors(named)
+        with weight_sync.begin_update(a.transformer, manifest) as s:  # quantized on the GPU here
+            for k in range(0, len(named), 7):
+                s.load(named[k : k + 7])
+        assert torch.equal(handle.store.arena, fresh_arena)  # type: ignore[union-attr]
+        assert torch.equal(a.generate(tokens=512, num_inference_steps=3, seed=1), expected)
+        assert handle.fingerprint(a.transformer) == weight_sync.fingerprint(ref.transformer)

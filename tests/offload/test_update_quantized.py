@@ -230,3 +230,23 @@ def test_a_quantized_linear_the_offload_did_not_quantize_is_refused_before_any_w
     assert torch.equal(handle.store.arena, arena)  # type: ignore[union-attr]
     assert torch.equal(_out(pipe), before)
     handle.disable()
+
+
+def test_with_every_block_resident_an_update_still_requantizes(b) -> None:
+    pipe = _pipe(1)
+    handle = enable_layerwise_offload(pipe, _config(dlo_resident_layers=DIT.num_blocks))
+    assert handle.streamer is None
+    reload_weights(pipe.transformer, weights_iterator=iter(b.items()))
+    ref = _resident_quantized(b, "fp8_block")
+    assert torch.equal(_out(pipe), _out(ref))
+    assert weight_sync.fingerprint(pipe.transformer) == weight_sync.fingerprint(ref.transformer)
+    handle.disable()
+
+
+def test_after_disable_the_resident_quantized_model_still_requantizes_on_update(b) -> None:
+    pipe = _pipe(1)
+    enable_layerwise_offload(pipe, _config()).disable()  # kernel format stays: a resident fp8 model
+    reload_weights(pipe.transformer, weights_iterator=iter(b.items()))
+    ref = _resident_quantized(b, "fp8_block")
+    assert torch.equal(_out(pipe), _out(ref))
+    assert weight_sync.fingerprint(pipe.transformer) == weight_sync.fingerprint(ref.transformer)

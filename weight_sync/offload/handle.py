@@ -33,7 +33,7 @@ from weight_sync.offload.layout import BlockLayout, layout_block, schedule_diges
 from weight_sync.offload.metrics import OffloadMetrics, Span, Trace
 from weight_sync.offload.pinned import InPlacePins, PinError, register_region
 from weight_sync.offload.plan import Topology, resolve_topology
-from weight_sync.offload.quantize import BlockQuantization, quantize_blocks
+from weight_sync.offload.quantize import BlockQuantization, declare_requantization, quantize_blocks
 from weight_sync.offload.streamer import BlockStreamer
 from weight_sync.offload.update import OffloadUpdater
 
@@ -116,6 +116,11 @@ class OffloadHandle:
             self.store = None
         self._metrics.pinned_bytes = 0
         self.enabled = False
+        if self.config.quantization is not None:
+            # disable() keeps kernel format: the resident model stays quantized, and its updates must
+            # still requantize once this offload's hook is gone.
+            for path in ("", *self.topology.owner_paths):
+                declare_requantization(get_submodule_path(self.root, path), strict=False)
         if getattr(self.root, _HANDLE_ATTR, None) is self:
             delattr(self.root, _HANDLE_ATTR)
 
@@ -374,8 +379,9 @@ def enable_layerwise_offload(
         gather=gather, shim=shim, metrics=metrics, trace=trace, guard=guard,
     )
     setattr(root, _HANDLE_ATTR, handle)
-    if streamer is not None:
-        # begin_update on the root or on any DiT that owns a ring writes host storage (offload/update.py).
+    if streamer is not None or quant is not None:
+        # begin_update on the root or on any DiT that owns a ring writes host storage (offload/update.py);
+        # with quantization (streamed blocks or not) it requantizes.
         handle.updater.install([root, *(get_submodule_path(root, p) for p in topology.owner_paths)])
     logger.info(
         "[rank %d] DLO on %s: %d streamed / %d resident blocks, %s host storage (%s), group %d, "

@@ -109,12 +109,14 @@ def quantize_blocks(blocks: Sequence[tuple[str, nn.Module]], name: str) -> Block
     return BlockQuantization(name, str(method), len({id(q) for *_, q in swaps}), produced, swaps)
 
 
-def declare_requantization(model: nn.Module) -> list[str]:
+def declare_requantization(model: nn.Module, *, strict: bool = True) -> list[str]:
     """Make every ``QuantizedLinear`` of ``model`` a requantizing layer of its reload state; their names.
 
-    Idempotent; called before each update's session opens. A layer recorded earlier (as the ``nn.Linear``
-    it was, or as its kernel-format tensors) is re-declared, and a plan made from the old records is
-    dropped (made again from the new records by the same dry run, before any write).
+    Idempotent; called before each update's session opens, and by ``disable()`` (the resident model keeps
+    kernel format). A layer recorded earlier (as the ``nn.Linear`` it was, or as its kernel-format
+    tensors) is re-declared, and a plan made from the old records is dropped (made again from the new
+    records by the same dry run, before any write). ``strict``: a ``QuantizedLinear`` whose model format
+    is unknown (not quantized by an offload) is an error; otherwise it is left as the state has it.
     """
     from weight_sync.layers.blocks import block_key
     from weight_sync.quant.modules import QuantizedLinear
@@ -129,6 +131,8 @@ def declare_requantization(model: nn.Module) -> list[str]:
             continue
         seen.add(id(mod))
         records = _MODEL_FORMAT.get(mod)
+        if records is None and not strict:
+            continue
         if records is None:
             raise ConfigError(
                 f"{name}: a QuantizedLinear ({mod.quant_method.name}) whose full-precision layout is "

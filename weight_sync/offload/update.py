@@ -219,17 +219,21 @@ class OffloadUpdater:
     # -- the UpdateHook protocol ---------------------------------------------------------------
     def before_begin(self, model: nn.Module) -> None:
         h = self.handle
-        if not h.enabled or h.streamer is None:
+        if not h.enabled:
+            return
+        if h.config.quantization is not None:
+            # Before anything is written: the quantized linears become processed layers whose model
+            # format is the full-precision linear they replaced (an update requantizes them). Also
+            # when every block is resident: the reload lifecycle alone would take their fp8 tensors for
+            # the model format.
+            declare_requantization(model)
+        if h.streamer is None:
             return
         if self.session is not None:
             raise UpdateStateError(
                 f"update {self.session.version!r} is open on this offloaded model (begun on another of "
                 "its modules); finish or abort it first"
             )
-        if h.config.quantization is not None:
-            # Before anything is written: the quantized linears become processed layers whose model
-            # format is the full-precision linear they replaced (an update requantizes them).
-            declare_requantization(model)
         h.streamer.drain()
         store = self._private_store()
         if store.shard is None:
