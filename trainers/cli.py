@@ -16,6 +16,7 @@ def _run(args: argparse.Namespace) -> int:
         steps=args.steps, quantization=None if args.quantization == "none" else args.quantization,
         seed=args.seed, out_dir=Path(args.out), verify=not args.no_verify, lr=args.lr,
         transport=args.transport, workers=args.workers, zero_copy=args.zero_copy, delta=args.delta,
+        asynchronous=args.asynchronous,
     )
     results = run_demo(config)
     first, last = results[0].reward, max(r.reward for r in results[-3:])
@@ -51,6 +52,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--delta", action="store_true",
                    help="send only the bytes that changed since the engines' last committed version (bf16 on "
                         "the wire; falls back to a full update when an engine refuses the base)")
+    p.add_argument("--async", dest="asynchronous", action="store_true",
+                   help="asynchronous RL (with --transport inproc): generate the next rollouts while the last "
+                        "weights are staged; the engine commits them between decode steps; staleness reported")
     p.set_defaults(func=_run)
 
 

@@ -6,6 +6,12 @@ than filler tokens, group-normalized
 advantages); its weights then go through ``begin_update`` / ``load`` / ``finish`` into the engine, which
 serves the next rollouts. Every step also checks the engine against a fresh engine loaded from the
 trainer's weights (fingerprints must match), so a silently wrong sync cannot pass.
+
+``asynchronous=True`` (``--async``, engine in process): the rollouts of step k+1 are generated while step
+k's weights travel into the engine's staging twin (a non-blocking push); the engine commits them between
+two decode steps, so a rollout may hold tokens of two versions, each token of exactly one. Each step
+reports the staleness of its rollouts (optimizer steps between the trainer and the version that
+generated a token) and checks the update that arrived against a fresh engine, as the synchronous loop.
 """
 
 from __future__ import annotations
@@ -56,6 +62,8 @@ class DemoConfig:
     # Delta sync: each step ships only the bytes that changed since the engines' last committed version
     # (weights travel as bf16, the engines' dtype, so an element changes only when its bf16 value does).
     delta: bool = False
+    # Asynchronous RL: generate step k+1's rollouts while step k's weights are staged (engine in process).
+    asynchronous: bool = False
 
     def __post_init__(self) -> None:
         for name in ("steps", "prompts_per_step", "samples_per_prompt", "new_tokens"):
@@ -70,6 +78,9 @@ class DemoConfig:
         if self.delta and (self.transport == "inproc" or self.zero_copy):
             raise ValueError(f"delta needs a buffered transport to engine processes, got transport "
                              f"{self.transport!r}, zero_copy={self.zero_copy}")
+        if self.asynchronous and (self.transport != "inproc" or self.delta):
+            raise ValueError(f"asynchronous needs transport 'inproc' (the engine stages in this process) and "
+                             f"full updates, got transport {self.transport!r}, delta={self.delta}")
         if self.samples_per_prompt < 2:
             raise ValueError("samples_per_prompt must be >= 2 (advantages are relative within a group)")
 
@@ -82,6 +93,11 @@ class StepResult:
     sync_bytes: int
     fingerprint_match: bool | None
     sync_mode: str | None = None  # delta sync: 'delta', or 'full' (first step, refused base)
+    # Asynchronous: optimizer steps between the trainer and the versions of this step's rollout tokens
+    # (max, mean), and how long the trainer waited for the previous push before its optimizer step.
+    staleness_max: int | None = None
+    staleness_mean: float | None = None
+    wait_s: float | None = None
 
 
 def trainer_weights(model: torch.nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -144,7 +160,12 @@ def run_demo(config: DemoConfig) -> list[StepResult]:
     print(f"engine: reference, quantization={config.quantization}, {where}; trainer: transformers fp32; "
           f"{len(manifest)} tensors, {manifest.nbytes / 1e6:.1f} MB per sync")
     try:
-        results = _loop(config, trainer, opt, engine, workers, sender, manifest, targets, gen, ckpt, scratch)
+        if config.asynchronous:
+            assert engine is not None
+            results = _async_loop(config, trainer, opt, engine, manifest, targets, gen, ckpt, scratch)
+        else:
+            results = _loop(config, trainer, opt, engine, workers, sender, manifest, targets, gen, ckpt,
+                            scratch)
     finally:
         if sender is not None:
             sender.close()
@@ -216,23 +237,34 @@ def _sync(config: DemoConfig, trainer, engine, workers, sender, manifest: Manife
     return report.num_bytes, report.fingerprints, report.delta.get("mode")
 
 
+def _batch(config: DemoConfig, gen: torch.Generator) -> list[list[int]]:
+    prompts = torch.randint(len(SPECIAL_TOKENS), len(SPECIAL_TOKENS) + len(CHARS),
+                            (config.prompts_per_step, 4), generator=gen).tolist()
+    return [p for p in prompts for _ in range(config.samples_per_prompt)]
+
+
+def _train_step(config: DemoConfig, trainer, opt, batch: list[list[int]], completions: list[list[int]],
+                targets: torch.Tensor) -> float:
+    """One policy-gradient step on group-normalized rewards; returns the mean reward."""
+    comp = torch.tensor(completions)
+    rewards = torch.isin(comp, targets).float().mean(-1)
+    grouped = rewards.view(config.prompts_per_step, config.samples_per_prompt)
+    adv = (grouped - grouped.mean(-1, keepdim=True)).view(-1)
+    full = torch.cat([torch.tensor(batch), comp], dim=1)
+    device = next(trainer.parameters()).device
+    loss = -(adv.to(device) * _sequence_logprobs(trainer, full.to(device), 4)).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return float(rewards.mean())
+
+
 def _loop(config, trainer, opt, engine, workers, sender, manifest, targets, gen, ckpt, scratch) -> list[StepResult]:
     results: list[StepResult] = []
     for step in range(config.steps):
-        prompts = torch.randint(len(SPECIAL_TOKENS), len(SPECIAL_TOKENS) + len(CHARS),
-                                (config.prompts_per_step, 4), generator=gen).tolist()
-        batch = [p for p in prompts for _ in range(config.samples_per_prompt)]
+        batch = _batch(config, gen)
         completions = _rollouts(config, engine, workers, batch, step)
-        comp = torch.tensor(completions)
-        rewards = torch.isin(comp, targets).float().mean(-1)
-        grouped = rewards.view(config.prompts_per_step, config.samples_per_prompt)
-        adv = (grouped - grouped.mean(-1, keepdim=True)).view(-1)
-        full = torch.cat([torch.tensor(batch), comp], dim=1)
-        device = next(trainer.parameters()).device
-        loss = -(adv.to(device) * _sequence_logprobs(trainer, full.to(device), 4)).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        reward = _train_step(config, trainer, opt, batch, completions, targets)
         t0 = time.perf_counter()
         num_bytes, fingerprints, mode = _sync(config, trainer, engine, workers, sender, manifest, step)
         sync_s = time.perf_counter() - t0
@@ -241,11 +273,56 @@ def _loop(config, trainer, opt, engine, workers, sender, manifest, targets, gen,
             device = "cpu" if workers is None else workers.devices[0]
             expected = _fresh_fingerprint(trainer, ckpt, scratch, config.quantization, device)
             match = all(fp == expected for fp in fingerprints)
-        res = StepResult(step + 1, float(rewards.mean()), sync_s, num_bytes, match, mode)
+        res = StepResult(step + 1, reward, sync_s, num_bytes, match, mode)
         results.append(res)
         print(f"step {res.step:3d}  reward {res.reward:.3f}  sync {res.sync_s * 1e3:7.1f} ms  "
               f"{res.sync_bytes / 1e6:5.2f} MB  fingerprint match: {res.fingerprint_match}"
               + (f"  ({mode})" if mode else ""))
+    return results
+
+
+def _async_loop(config: DemoConfig, trainer, opt, engine: ReferenceEngine, manifest: Manifest,
+                targets: torch.Tensor, gen: torch.Generator, ckpt: Path, scratch: Path) -> list[StepResult]:
+    """One-step off-policy: rollouts of step k+1 are generated while the push of version k is staged."""
+    from weight_sync.transport import PushHandle, push_to_staging
+
+    staging = engine.enable_staging()
+    results: list[StepResult] = []
+    handle: PushHandle | None = None
+    for step in range(config.steps):
+        batch = _batch(config, gen)
+        rollouts = engine.generate_with_versions(batch, config.new_tokens, temperature=config.temperature,
+                                                 seed=config.seed * 100_003 + step)
+        # The trainer has made ``step`` optimizer steps; a token of version v is step - v steps behind
+        # (the first checkpoint is version 0).
+        lags = [step - (0 if span.version == "initial" else span.version)
+                for r in rollouts for span in r.weight_versions for _ in range(span.end - span.start)]
+        # The push in flight reads the trainer's parameters: the optimizer may change them only after it.
+        match, sync_s, num_bytes, wait_s = None, 0.0, 0, 0.0
+        if handle is not None:
+            t0 = time.perf_counter()
+            report = handle.wait()
+            done = time.perf_counter()
+            sync_s, num_bytes, wait_s = handle.seconds or 0.0, report.num_bytes, done - t0
+            if config.verify:
+                match = report.fingerprint == _fresh_fingerprint(trainer, ckpt, scratch, config.quantization)
+        reward = _train_step(config, trainer, opt, batch, [r.token_ids for r in rollouts], targets)
+        handle = push_to_staging(staging, trainer_weights(trainer), manifest, version=step + 1)
+        res = StepResult(step + 1, reward, sync_s, num_bytes, match, None, max(lags),
+                         sum(lags) / len(lags), wait_s)
+        results.append(res)
+        print(f"step {res.step:3d}  reward {res.reward:.3f}  staleness max {res.staleness_max} mean "
+              f"{res.staleness_mean:.2f}  push of v{step}: {res.sync_s * 1e3:7.1f} ms, trainer waited "
+              f"{wait_s * 1e3:6.1f} ms  {res.sync_bytes / 1e6:5.2f} MB  fingerprint match: {res.fingerprint_match}")
+    if handle is not None:
+        report = handle.wait()
+        engine.commit_staged()
+        if config.verify:
+            expected = _fresh_fingerprint(trainer, ckpt, scratch, config.quantization)
+            ok = report.fingerprint == expected == engine.fingerprint()
+            print(f"final push v{config.steps} committed: fingerprint match: {ok}")
+            last = results[-1]
+            results[-1] = StepResult(**{**asdict(last), "fingerprint_match": last.fingerprint_match is not False and ok})
     return results
 
 

@@ -41,12 +41,12 @@ def _gated(items: list[tuple[str, torch.Tensor]], after: int, gate: threading.Ev
 def test_a_handle_is_not_done_until_its_push_ends_and_wait_returns_its_result() -> None:
     gate = threading.Event()
     handle = PushHandle(lambda: gate.wait(60) and "report", version=7)
-    assert not handle.done()
+    assert not handle.done() and handle.seconds is None
     with pytest.raises(TransportTimeout, match="version 7 still running"):
         handle.wait(timeout_s=0.01)
     gate.set()
     assert handle.wait(timeout_s=60) == "report"
-    assert handle.done()
+    assert handle.done() and handle.seconds is not None and handle.seconds > 0
 
 
 def test_wait_re_raises_the_error_of_a_failed_push() -> None:

@@ -15,6 +15,7 @@ queue. On CUDA the push runs on a side stream of its own, so it overlaps the cal
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -47,6 +48,8 @@ class PushHandle(Generic[T]):
         self._result: T | None = None
         self._error: BaseException | None = None
         self._finished = threading.Event()
+        self._t0 = time.perf_counter()
+        self._t1: float | None = None
         self._thread = threading.Thread(target=self._run, name=f"weight_sync-push-{version}", daemon=True)
         self._thread.start()
 
@@ -63,7 +66,13 @@ class PushHandle(Generic[T]):
             self._error = e
         finally:
             self._fn = None  # type: ignore[assignment]  # let the tensors go
+            self._t1 = time.perf_counter()
             self._finished.set()
+
+    @property
+    def seconds(self) -> float | None:
+        """How long the push ran, start to end (None while it runs)."""
+        return None if self._t1 is None else self._t1 - self._t0
 
     def done(self) -> bool:
         """Whether the push has ended (succeeded or failed); never blocks."""
