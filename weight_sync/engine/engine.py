@@ -256,6 +256,11 @@ class ReferenceEngine:
             raise ConfigError(f"kv_after_commit must be one of {KV_AFTER_COMMIT}, got {kv_after_commit!r}")
         if self.staging is not None:
             raise UpdateStateError("staging is already enabled on this engine")
+        if self.model.tp.size > 1:
+            # Each rank would find its staged version ready at its own step boundary, while every
+            # decode step is collective: ranks could compute one token with two versions.
+            raise ConfigError(f"staging needs a single-rank engine (ranks would have to agree on the commit "
+                              f"step), got tensor parallel size {self.model.tp.size}")
         model = self.model
 
         def build(device: torch.device) -> CausalLM:
