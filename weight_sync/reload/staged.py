@@ -53,6 +53,10 @@ log = logging.getLogger(__name__)
 #: 'device' (refuse when it does not fit), 'host' (always host memory).
 STAGING_PLACEMENTS = ("auto", "device", "host")
 
+# Host storages at least this large are page-locked in place; glibc serves them from their own mmap
+# (its threshold is 128 KiB, grown dynamically up to 32 MiB), so they share no page with another.
+_REGISTER_MIN_BYTES = 32 << 20
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StagingConfig:
@@ -139,7 +143,8 @@ class StagedWeights:
         self.last_report: Any = None
         self._superseded: list[Any] = []
         self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._pinned: list[int] = []
+        self._pinned: list[int] = []  # host storages registered with cudaHostRegister
+        self._host_pinned = False
         self._copied: torch.cuda.Event | None = None
         self.committed_version: Any = live_state.version
         self.last_commit: CommitReport | None = None
@@ -198,18 +203,34 @@ class StagedWeights:
             self._pin()
 
     def _pin(self) -> None:
-        """Page-lock the twin's storages in place (their addresses stay: the twin's own audit holds)."""
+        """Page-lock the twin's host tensors, so a commit is an asynchronous H2D copy.
+
+        Large storages (glibc maps them page-aligned, one per mapping) are registered in place, so they
+        keep their addresses. Small ones may share a page with other allocations, which cannot be
+        registered twice: they move into pinned memory instead (``t.data = pinned``: the same tensor
+        object, so the session's layer records and the pairs still hold it; the twin's cached views are
+        refreshed at its next update, which sees the new address).
+        """
         cudart = torch.cuda.cudart()
-        known = set(self._pinned)
-        for _, src in self._pairs:
-            ptr = src.untyped_storage().data_ptr()
-            if ptr in known or src.is_pinned():
-                continue
-            err = cudart.cudaHostRegister(ptr, src.untyped_storage().nbytes(), 0)
-            if int(err) != 0:
-                raise UpdateStateError(f"cudaHostRegister of a staged tensor ({src.shape}) failed with {err}")
-            self._pinned.append(ptr)
-            known.add(ptr)
+        registered = set(self._pinned)
+        with torch.no_grad():
+            for _, src in self._pairs:
+                storage = src.untyped_storage()
+                ptr, nbytes = storage.data_ptr(), storage.nbytes()
+                if ptr in registered or src.is_pinned():
+                    continue
+                if nbytes < _REGISTER_MIN_BYTES:
+                    src.data = src.data.pin_memory()
+                    continue
+                err = cudart.cudaHostRegister(ptr, nbytes, 0)
+                if int(err) != 0:
+                    raise UpdateStateError(
+                        f"cudaHostRegister of a staged host tensor {tuple(src.shape)} ({nbytes} bytes at "
+                        f"{ptr:#x}) failed with {err}; use StagingConfig(pin_host=False)"
+                    )
+                self._pinned.append(ptr)
+                registered.add(ptr)
+        self._host_pinned = True
 
     # ------------------------------------------------------------------ staging
     @property
@@ -308,7 +329,7 @@ class StagedWeights:
             if same:
                 torch._foreach_copy_([d for d, _ in same], [s for _, s in same])
             for d, s in cross:
-                d.copy_(s, non_blocking=bool(self._pinned))
+                d.copy_(s, non_blocking=self._host_pinned)
             if self.live_device.type == "cuda":
                 event = torch.cuda.Event()
                 event.record(torch.cuda.current_stream(self.live_device))
