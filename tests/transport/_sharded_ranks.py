@@ -107,8 +107,7 @@ def fsdp_trainers_to_tp_engines(rank: int, world: int, ckpt: str, num_updates: i
             with torch.no_grad():
                 for p in model.parameters():
                     step(p, version)
-            holdings, local, manifest = source.shards()
-            report = sender.send(local, holdings, manifest, version=version)  # type: ignore[union-attr]
+            report = sender.send(*source.shards(), version=version)  # type: ignore[union-attr]
             out["updates"].append({"mode": report.mode, "region_bytes": report.region_bytes})
         sender.close()  # type: ignore[union-attr]
         return out
@@ -129,3 +128,118 @@ def fsdp_trainers_to_tp_engines(rank: int, world: int, ckpt: str, num_updates: i
         })
     receiver.close()  # type: ignore[union-attr]
     return out
+
+
+# ------------------------------------------------------------------------------ a rank killed mid-update
+FAULT_TIMEOUT_S = 8.0
+KILL_AFTER = 4  # buckets: several of the victim's buckets have moved by then, most have not
+
+
+def _checkpoint_pieces(ckpt: str, rank: int, version: int) -> tuple[list, dict[str, torch.Tensor], Any]:
+    """An FSDP-layout trainer rank without FSDP: its Shard(0) piece of every tensor of version ``version``."""
+    from weight_sync.manifest import Manifest, TensorMeta
+    from weight_sync.transport.routes_layouts import fsdp_holdings
+
+    full = expected_weights(ckpt, version)
+    with open(f"{ckpt}/config.json") as f:
+        cfg = ModelConfig.from_hf_dict(json.load(f))
+    from weight_sync.transport.routes_reference import reference_checkpoint_metas
+
+    metas = [TensorMeta(m.name, m.dtype, m.shape) for m in reference_checkpoint_metas(cfg) if m.name in full]
+    holdings = fsdp_holdings(metas, NUM_TRAINERS)
+    local = {h.name: full[h.name][tuple(slice(a, b) for a, b in p.box)].clone()
+             for h in holdings for p in h.pieces if p.rank == rank}
+    return holdings, local, Manifest(tuple(metas))
+
+
+def _report_death(events: Any, role: str) -> None:
+    """Put the time of death on ``events`` (flushed: the queue's feeder thread dies with us), then die."""
+    import os
+    import signal
+    import time
+
+    events.put(("died", role, time.time()))
+    events.close()
+    events.join_thread()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _die_after(n: int, events: Any, role: str) -> None:
+    """SIGKILL this process once ``n`` of its buckets have moved (sent by a trainer, taken by an engine)."""
+    from weight_sync.transport import sharded
+
+    if role == "trainer":
+        real = sharded._isend
+        count = [0]
+
+        def isend(*args: Any) -> Any:
+            count[0] += 1
+            if count[0] > n:
+                _report_death(events, role)
+            return real(*args)
+
+        sharded._isend = isend  # type: ignore[assignment]
+    else:
+        real_check = sharded.check_trailer
+        count = [0]
+
+        def check(*args: Any) -> None:
+            count[0] += 1
+            if count[0] > n:
+                _report_death(events, role)
+            real_check(*args)
+
+        sharded.check_trailer = check  # type: ignore[assignment]
+
+
+def fault_rank(rank: int, victim: int, first_round: int, inbox: Any, events: Any, ckpt: str) -> None:
+    """One rank of the fault test: round 1 = update v1, then v2 with ``victim`` killed; round 2 = v3.
+
+    Ranks 0, 1 are trainer ranks, 2, 3 the engine ranks of one TP=2 engine (rank 2 rolls back, rank 3
+    does not). A replacement of the victim starts at round 2. Reports every outcome on ``events``.
+    """
+    import time
+
+    from weight_sync.reload import torn_reason
+
+    d = rank - NUM_TRAINERS
+    engine = engine_rank_model(ckpt, d) if d >= 0 else None
+    if engine is not None:
+        # Plan the reload once before connecting: recording the loaders' copies is the slow part of a
+        # first update, and on a loaded CI machine it could outlast the test's short timeout.
+        from weight_sync.transport.routes_layouts import needs_from_model
+
+        needs_from_model(engine, _checkpoint_pieces(ckpt, 0, 0)[2].tensors, d)
+    for rnd in range(first_round, 3):
+        versions = [1, 2] if rnd == 1 else [3]
+        cfg = ShardedConfig(num_trainers=NUM_TRAINERS, num_engine_ranks=2, mode="sharded", bucket_bytes=16 << 10,
+                            timeout_s=FAULT_TIMEOUT_S, host="127.0.0.1")
+        if rank == 0:
+            end: Any = ShardedSender(cfg, 0)
+            events.put(("address", rnd, end.address))
+        else:
+            _, got_round, address = inbox.get(timeout=120)
+            assert got_round == rnd, (got_round, rnd)
+            end = (ShardedSender(cfg, rank, address) if d < 0 else
+                   ShardedReceiver(engine, address, d, rollback=d == 0))
+        end.connect()
+        for v in versions:
+            if rank == victim and v == 2:
+                _die_after(KILL_AFTER, events, "trainer" if d < 0 else "engine")
+            t0 = time.time()
+            try:
+                if d < 0:
+                    end.send(*_checkpoint_pieces(ckpt, rank, v), version=v)
+                else:
+                    end.receive_update()
+            except Exception as e:
+                state = None
+                if engine is not None:
+                    state = {"torn": torn_reason(engine) is not None,
+                             "rolled_back": wrong_parameters(engine, ckpt, d, 1) == []}
+                events.put(("raised", rank, v, time.time(), time.time() - t0, f"{type(e).__name__}: {e}"[:400], state))
+                break
+            wrong = wrong_parameters(engine, ckpt, d, v) if engine is not None else []
+            events.put(("committed", rank, v, wrong))
+        end.close()
+    events.put(("done", rank))

@@ -157,15 +157,19 @@ def _digest(text: str) -> str:
 class _Peer:
     """The connection every rank of a sharded transport shares: store, control channel, data group."""
 
-    def __init__(self, config: ShardedConfig, group_rank: int, store: Any, address: str, peers: str) -> None:
+    def __init__(self, config: ShardedConfig, group_rank: int, store: Any, address: str, peers: str,
+                 connect_timeout_s: float) -> None:
         self.config = config
         self.group_rank = group_rank
         self.store = store
         self.address = address
-        ctl = make_group("gloo", store, f"{PREFIX}/ctl", group_rank, config.world_size, config.timeout_s)
+        # Joining waits for every rank (a restarted one may take its start-up time); every later wait has
+        # its own deadline of timeout_s, so the groups' own timeout is only a backstop.
+        join_s = max(config.timeout_s, connect_timeout_s)
+        ctl = make_group("gloo", store, f"{PREFIX}/ctl", group_rank, config.world_size, join_s)
         self.channel = Channel(ctl, group_rank, config.world_size, config.timeout_s, peers)
-        self.data = make_group(config.backend, store, f"{PREFIX}/data", group_rank, config.world_size,
-                               config.timeout_s)
+        self.data = make_group(config.backend, store, f"{PREFIX}/data", group_rank, config.world_size, join_s)
+        self.join_s = join_s
         self.channel.add_group(self.data)
         self.seq = 0
         self.cuts: dict[tuple, tuple[list[Item], list[Bucket], int]] = {}
@@ -184,7 +188,7 @@ class _Peer:
                 if r == s or r >= cfg.num_trainers:
                     rank = 0 if r == s else 1 + r - cfg.num_trainers
                     out[s] = make_group(cfg.backend, self.store, f"{PREFIX}/bcast/{s}", rank,
-                                        cfg.num_engine_ranks + 1, cfg.timeout_s)
+                                        cfg.num_engine_ranks + 1, self.join_s)
                     self.channel.add_group(out[s])
             self._bcast = out
         return self._bcast
@@ -244,16 +248,18 @@ class ShardedSender:
 
     ``ShardedSender(config, rank)``; rank 0 hosts the store (``address`` is then its 'host:port'), every
     other rank and every engine rank connects to that address. ``connect()`` on every rank, then per
-    update ``send(local, holdings, manifest, version)`` on every trainer rank at once.
+    update ``send(holdings, local, manifest, version)`` on every trainer rank at once.
     """
 
-    def __init__(self, config: ShardedConfig, rank: int, address: str | None = None) -> None:
+    def __init__(self, config: ShardedConfig, rank: int, address: str | None = None, *,
+                 connect_timeout_s: float = 300.0) -> None:
         if not 0 <= rank < config.num_trainers:
             raise ConfigError(f"rank must be in [0, {config.num_trainers}), got {rank}")
         if (rank == 0) != (address is None):
             raise ConfigError("trainer rank 0 hosts the store (no address); every other rank needs its address")
         self.config = config
         self.rank = rank
+        self.connect_timeout_s = connect_timeout_s
         self._store: Any = None
         if rank == 0:
             self._store = host_store(config.host or node_address(), config.port, config.timeout_s)
@@ -269,14 +275,17 @@ class ShardedSender:
         """Join the transport (rank 0: publish the wire parameters first)."""
         if self._peer is not None:
             raise TransportError(f"[trainer rank {self.rank}] connect() was already called")
-        store = self._store if self._store is not None else join_store(self.address, self.config.timeout_s)
+        store = self._store if self._store is not None else join_store(self.address, self.connect_timeout_s)
         if self.rank == 0:
             store.set(f"{PREFIX}/config", self.config.to_json())
-        self._peer = _Peer(self.config, self.rank, store, self.address, "the other ranks")
+        self._peer = _Peer(self.config, self.rank, store, self.address, "the other ranks", self.connect_timeout_s)
 
-    def send(self, local: Mapping[str, torch.Tensor], holdings: Sequence[Holding], manifest: Manifest,
+    def send(self, holdings: Sequence[Holding], local: Mapping[str, torch.Tensor], manifest: Manifest,
              version: Any = None) -> ShardedReport:
-        """Run one update: ``local`` holds this rank's piece of every tensor ``holdings`` give it."""
+        """Run one update: ``local`` holds this rank's piece of every tensor ``holdings`` give it.
+
+        The arguments are what :meth:`trainers.fsdp.FSDPSource.shards` returns: ``send(*source.shards())``.
+        """
         peer = self._require()
         t0 = time.perf_counter()
         peer.seq += 1

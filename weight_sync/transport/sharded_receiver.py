@@ -104,7 +104,8 @@ class ShardedReceiver:
         if not 0 <= self.rank < config.num_engine_ranks:
             raise ConfigError(f"engine rank must be in [0, {config.num_engine_ranks}), got {self.rank}")
         self.config = config
-        self._peer = _Peer(config, config.num_trainers + self.rank, store, self.address, "the trainer ranks")
+        self._peer = _Peer(config, config.num_trainers + self.rank, store, self.address, "the trainer ranks",
+                           self.connect_timeout_s)
         return config
 
     # ------------------------------------------------------------------ one update
