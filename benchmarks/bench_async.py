@@ -57,16 +57,20 @@ MODES = ("none", "pause", "staged")
 SOURCES = ("local", "gloo", "ipc")
 
 
-def _weight_sets(cfg: dict[str, Any], device: str) -> list[list[tuple[str, torch.Tensor]]]:
-    """Two versions' weights, made once; updates alternate between them (every update changes every byte)."""
+def _weight_sets(cfg: dict[str, Any], device: str, where: str | None = None) -> list[list[tuple[str, torch.Tensor]]]:
+    """Two versions' weights, made once on ``device`` and kept on ``where`` (default: the same);
+    updates alternate between them, so every update changes every byte."""
     dtype = getattr(torch, cfg["torch_dtype"]) if "torch_dtype" in cfg else torch.bfloat16
-    return [list(random_weights(cfg, seed=s, dtype=dtype, device=device)) for s in (1, 2)]
+    return [[(n, t.to(where or device)) for n, t in random_weights(cfg, seed=s, dtype=dtype, device=device)]
+            for s in (1, 2)]
 
 
-def _trainer_process(cfg: dict[str, Any], backend: str, device: str, conn: Any) -> None:
+def _trainer_process(cfg: dict[str, Any], backend: str, device: str, where: str, conn: Any) -> None:
     """The trainer: a WeightSender per connection, one push per ('push', version) command."""
-    torch.set_num_threads(1)
-    sets = _weight_sets(cfg, device)
+    if device == "cpu":
+        torch.set_num_threads(1)  # the engine process has the cores it was given
+    # Random weights are made on the GPU when there is one (an 8B set takes minutes on host cores).
+    sets = _weight_sets(cfg, device, where)
     manifest = Manifest.from_named_tensors(sets[0])
     sender: WeightSender | None = None
     try:
@@ -104,8 +108,10 @@ class Source:
             return
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        trainer_device = str(device) if kind == "ipc" else "cpu"
-        self._proc = ctx.Process(target=_trainer_process, args=(cfg, kind, trainer_device, child), daemon=True)
+        # ipc: the trainer's tensors on the engine's GPU; gloo: in host memory.
+        where = str(device) if kind == "ipc" else "cpu"
+        self._proc = ctx.Process(target=_trainer_process, args=(cfg, kind, str(device), where, child),
+                                 daemon=True)
         self._proc.start()
 
     def connect(self, target: Any) -> None:
@@ -287,6 +293,7 @@ def main() -> None:
                           f"{run['updates']} (skipped {run['skipped']})", flush=True)
         finally:
             source.close()
+            del source  # a local source holds two model-size weight sets on the device
     num_bytes = staging.num_bytes
     bound_s = _copy_bound_s(num_bytes, device, staging.placement == "host" and device.type == "cuda")
     rows = []
