@@ -243,3 +243,37 @@ def fault_rank(rank: int, victim: int, first_round: int, inbox: Any, events: Any
             events.put(("committed", rank, v, wrong))
         end.close()
     events.put(("done", rank))
+
+
+def nccl_trainer_to_engine(rank: int, world: int, ckpt: str) -> list[str]:
+    """One trainer rank (GPU 0) -> one TP=1 engine rank (GPU 1) over NCCL point to point, two updates."""
+    from weight_sync.transport.routes_layouts import whole_holdings
+
+    torch.cuda.set_device(rank)
+    cfg = ShardedConfig(num_trainers=1, num_engine_ranks=1, backend="nccl", mode="sharded", timeout_s=60.0,
+                        host="127.0.0.1")
+    wrong: list[str] = []
+    if rank == 0:
+        sender = ShardedSender(cfg, 0)
+        _share_address(sender.address, 0)
+        sender.connect()
+        for v in (1, 2):
+            _, local, manifest = _checkpoint_pieces(ckpt, 0, v)
+            full = expected_weights(ckpt, v)
+            local = {n: full[n].cuda() for n in local}
+            sender.send(whole_holdings(manifest.tensors, [0]), local, manifest, version=v)
+        sender.close()
+        return wrong
+    with open(f"{ckpt}/config.json") as f:
+        mcfg = ModelConfig.from_hf_dict(json.load(f))
+    engine = CausalLM(mcfg, tp=FixedTP(fixed_size=1, fixed_rank=0)).cuda()
+    receiver = ShardedReceiver(engine, _share_address(None, rank), 0)
+    receiver.connect()
+    for v in (1, 2):
+        receiver.receive_update()
+        fresh = CausalLM(mcfg, tp=FixedTP(fixed_size=1, fixed_rank=0))
+        fresh.load_weights(expected_weights(ckpt, v).items())
+        got = {n: p.cpu() for n, p in engine.named_parameters()}
+        wrong += [f"v{v} {n}" for n, p in fresh.named_parameters() if not torch.equal(got[n], p)]
+    receiver.close()
+    return wrong

@@ -142,3 +142,12 @@ def test_fsdp2_trainers_update_tp_engines_bitwise_sending_each_rank_only_its_sha
             assert {int(d): n for d, n in up["region_bytes"].items()} == {
                 d: n for (src, d), n in plan.bytes_per_link().items() if src == s
             }
+
+
+@pytest.mark.multi_gpu
+def test_nccl_point_to_point_updates_an_engine_on_another_gpu_bitwise(tmp_path: Path) -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    ckpt = str(make_checkpoint(tmp_path / "m", arch="qwen3", preset="tiny", tokenizer=False))
+    _, engine = run_distributed(_sharded_ranks.nccl_trainer_to_engine, 2, ckpt, timeout_s=300)
+    assert engine == []

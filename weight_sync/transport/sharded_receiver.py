@@ -167,7 +167,7 @@ class ShardedReceiver:
                         sink.write(it.name, param, dst_off, stride, o, src_view)
 
             groups = peer.broadcast_groups() if mode == "broadcast" else None
-            region, wire, failed = receive_links(peer, links, consume, torch.device("cpu"),
+            region, wire, failed = receive_links(peer, links, consume, self._buffer_device(cfg),
                                                  f"[engine rank {self.rank}]", groups)
             error = error or failed
             if error is None and not self.session_options["allow_partial"] and sink.incomplete():
@@ -198,6 +198,15 @@ class ShardedReceiver:
         self.last_report = ShardedReport(version=report.version, mode=mode, region_bytes=region, wire_bytes=wire,
                                          seconds=time.perf_counter() - t0, update=report)
         return report
+
+    def _buffer_device(self, cfg: ShardedConfig) -> torch.device:
+        """Where buckets land: the model's CUDA device over NCCL, host memory over gloo."""
+        if cfg.backend != "nccl":
+            return torch.device("cpu")
+        device = next((t.device for t in self.model.parameters() if t.device.type == "cuda"), None)
+        if device is None:
+            raise ConfigError(f"[engine rank {self.rank}] backend 'nccl' needs the engine's model on a CUDA device")
+        return device
 
     def _abort(self, session: Any) -> None:
         try:
