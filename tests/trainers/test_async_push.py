@@ -22,6 +22,7 @@ from weight_sync.transport import (
     WeightReceiver,
     WeightSender,
     push,
+    push_client,
     push_to_staging,
 )
 
@@ -57,6 +58,35 @@ def test_wait_re_raises_the_error_of_a_failed_push() -> None:
     with pytest.raises(ManifestError, match=r"x\.weight"):
         handle.wait(timeout_s=60)
     assert handle.done()
+
+
+class GatedClient:
+    """A client whose blocking push waits for a gate and records what it was given."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.pushed: list[tuple[dict[str, torch.Tensor], Any]] = []
+
+    def push(self, weights: Any, *, version: Any = None) -> str:
+        assert self.gate.wait(60), "the test never opened the gate"
+        self.pushed.append(({n: t.clone() for n, t in weights}, version))
+        return f"report of {version}"
+
+
+def test_a_client_push_runs_in_the_background_one_at_a_time_and_snapshots_on_request() -> None:
+    client = GatedClient()
+    weight = torch.ones(3)
+    handle = push_client(client, [("w", weight)], version=4, snapshot=True)
+    with pytest.raises(UpdateStateError, match="version 4 is still being pushed"):
+        push_client(client, [("w", weight)], version=5)
+    weight.add_(1)  # the snapshot was taken before push_client returned
+    client.gate.set()
+    assert handle.wait(timeout_s=60) == "report of 4"
+    (sent, version), = client.pushed
+    assert version == 4 and torch.equal(sent["w"], torch.ones(3))
+    assert push_client(client, [("w", weight)], version=5).wait(timeout_s=60) == "report of 5"
+    with pytest.raises(TypeError, match="needs a client with a push"):
+        push_client(object(), [], version=6)
 
 
 def test_the_engine_serves_the_committed_version_while_a_push_is_staged_and_the_new_one_after(

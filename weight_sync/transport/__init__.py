@@ -45,7 +45,7 @@ from weight_sync.transport.layout import (
     check_block_order,
     plan_buckets,
 )
-from weight_sync.transport.push import PushHandle, push, push_to_staging
+from weight_sync.transport.push import PushHandle, push, push_client, push_to_staging
 from weight_sync.transport.receiver import WeightReceiver
 from weight_sync.transport.routes import (
     Holding,
@@ -117,6 +117,7 @@ __all__ = [
     "plan_buckets",
     "plan_routes",
     "push",
+    "push_client",
     "push_to_staging",
     "reference_checkpoint_metas",
     "reference_engine_needs",

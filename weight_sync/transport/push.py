@@ -5,6 +5,9 @@ and returns a :class:`PushHandle` at once; ``push_to_staging(staging, ...)`` doe
 in-process :class:`~weight_sync.reload.staged.StagedWeights` (the engine keeps generating and commits
 the version between two of its steps). ``handle.done()`` says whether the push ended (either way);
 ``handle.wait()`` returns its report or re-raises its error in the caller's thread.
+``push_client(client, weights, version=...)`` does it for a client with a blocking ``push`` (vLLM's
+:class:`~weight_sync.integrations.vllm.WeightSyncClient`, whose engines then receive while they serve
+their own way).
 
 The tensors are read while the push runs: the caller must not change them until ``done()`` (e.g. the
 next optimizer step), or pass ``snapshot=True`` to push copies (one more model's memory, made before
@@ -29,7 +32,7 @@ if TYPE_CHECKING:
     from weight_sync.reload.staged import StagedWeights
     from weight_sync.transport.sender import TransferReport, WeightSender
 
-__all__ = ["PushHandle", "push", "push_to_staging"]
+__all__ = ["PushHandle", "push", "push_client", "push_to_staging"]
 
 T = TypeVar("T")
 
@@ -127,6 +130,27 @@ def push(
     source = _materialize(named_tensors, snapshot)
     device = getattr(sender, "device", None)
     return _start(sender, version, lambda: sender.send(source, manifest, version=version),
+                  device if isinstance(device, torch.device) else None)
+
+
+def push_client(
+    client: Any,
+    weights: Any,
+    *,
+    version: Any = None,
+    snapshot: bool = False,
+    **options: Any,
+) -> PushHandle[Any]:
+    """Start ``client.push(weights, version=version, **options)`` and return at once; ``wait()`` gives
+    what it returns (a TransferReport for vLLM's WeightSyncClient). ``weights`` as the client takes
+    them; ``snapshot`` copies (name, tensor) pairs or a mapping first."""
+    if not callable(getattr(client, "push", None)):
+        raise TypeError(f"push_client needs a client with a push(weights, version=...) method, got "
+                        f"{type(client).__name__}")
+    source = _materialize(weights, snapshot) if snapshot else weights
+    sender = getattr(client, "sender", None)
+    device = getattr(sender, "device", None)
+    return _start(client, version, lambda: client.push(source, version=version, **options),
                   device if isinstance(device, torch.device) else None)
 
 
