@@ -69,8 +69,9 @@ def delta_updates(rank: int, world: int, ckpt: str, quantization: Any, scratch: 
             report = end.send(weights.items(), manifest, version=v)
             stats.append({**report.delta, "num_bytes": report.num_bytes, "version": report.version})
         # A corrupt delta bucket (flipped on the engine side): every engine fails the update and rolls
-        # back to the last version; its base went with the failed decode, so the next delta is refused
-        # and the sender's full fallback re-establishes it.
+        # back to the last version; both bases went with the failed update (the sender's moved to the
+        # uncommitted bytes as it encoded, the engines' with the failed decode), so the next update is
+        # sent in full and re-establishes them.
         weights = {n: t.clone() for n, t in versions[-1].items()}
         weights[next(iter(weights))].view(-1)[0] += 1
         error = None
@@ -111,7 +112,7 @@ def _check(results: list[dict]) -> None:
             assert s["num_bytes"] == s["wire_bytes"] < 0.25 * s["plain_bytes"]
             assert 0.01 < s["changed_fraction"] < 0.2
     assert trainer["error"] == "AgreedChecksumError"
-    assert trainer["after"]["mode"] == "full" and "no delta base is kept" in trainer["after"]["reason"]
+    assert trainer["after"]["mode"] == "full" and "no base committed" in trainer["after"]["reason"]
     for e in engines:
         assert e["got"] == e["want"]
         # Every key of a delta went in place (no tensor rebuilt, none loaded whole), and a quantized

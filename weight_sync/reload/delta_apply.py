@@ -39,6 +39,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -50,7 +51,6 @@ from weight_sync.quant.online import OnlineQuantLinearMethod
 from weight_sync.reload.plan import Plan
 from weight_sync.reload.report import fingerprint
 from weight_sync.reload.state import LayerInfo, ModelState
-from weight_sync.transport.delta import decode_delta
 
 __all__ = ["DeltaApplier", "InPlaceUpdate", "Target", "plan_routes"]
 
@@ -224,6 +224,23 @@ def checksum_change(byte_pos: torch.Tensor, old: torch.Tensor, new: torch.Tensor
     return torch.stack([d.sum(), weighted.sum()])
 
 
+def _checksum_change_np(byte_pos: np.ndarray, old: np.ndarray, new: np.ndarray, itemsize: int) -> np.ndarray:
+    """:func:`checksum_change` in numpy (CPU): the same arithmetic, an int64 array ``[plain, weighted]``."""
+    if itemsize == 8:
+        o, n = old.astype(np.int64), new.astype(np.int64)
+        d = np.concatenate([(n & _MASK32) - (o & _MASK32), ((n >> 32) & _MASK32) - ((o >> 32) & _MASK32)])
+        words = np.concatenate([byte_pos >> 2, (byte_pos >> 2) + 1])
+    else:
+        mask = (1 << (8 * itemsize)) - 1
+        d = (new.astype(np.int64) & mask) - (old.astype(np.int64) & mask)
+        if itemsize < 4:
+            d = d << ((byte_pos & 3) * 8)
+        words = byte_pos >> 2
+    d &= _MASK32
+    weighted = (d * (words % _PERIOD + 1)) & _MASK32
+    return np.array([d.sum(), weighted.sum()], dtype=np.int64)
+
+
 class InPlaceUpdate:
     """One update's in-place writes on one engine rank: what they changed, how to undo them."""
 
@@ -264,39 +281,56 @@ class InPlaceUpdate:
     def apply(self, name: str, payload: torch.Tensor, meta_numel: int, dtype: torch.dtype,
               targets: tuple[Target, ...]) -> None:
         """Decode one tensor's delta and write it in place along ``targets``."""
+        # Imported here: weight_sync.transport imports this module (through delta_sync).
+        from weight_sync.transport.delta import decode_delta
+
         pos, vals = decode_delta(payload, meta_numel, dtype)  # checked whole before any write
         for t in targets:
             info = self.state.layers[t.layer]
             idx, v = _select(t, pos, vals)
             if t.kind == "live":
-                self._scatter(info, t, idx, v)
+                self._scatter(info, t, idx, v, dtype)
             else:
                 self._requantize(info, t, idx, v, dtype)
         self.session._arrived.add(name)  # applied here, not through load(): completion counts it
         self.session._num_bytes += payload.numel()
         self.num_in_place += 1
 
-    def _scatter(self, info: LayerInfo, t: Target, idx: torch.Tensor, v: torch.Tensor) -> None:
+    def _scatter(self, info: LayerInfo, t: Target, idx: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> None:
         live = _live(info.module, t.tensor)
         assert live is not None  # routed only to existing live tensors
         region = _as_int(live.detach().view(-1)[t.dst_offset : t.dst_offset + t.numel])
         idx = idx.to(region.device)
-        v = v.to(region.device)
-        old = region[idx]
+        if live.dtype != dtype:
+            # The session's copy converts (a bf16 wire into an fp32 norm): so does this, element by
+            # element, which is what the whole copy does to the changed elements.
+            v = _as_int(v.view(dtype).to(region.device).to(live.dtype))
+        else:
+            v = v.to(region.device)
         self.touched.add(info.name)
+        size = live.element_size()
+        if region.device.type == "cpu":
+            # numpy: a fraction of torch's per-call overhead, and this runs for every tensor of a delta.
+            r, i, new = region.numpy(), idx.numpy(), v.numpy()
+            old_np = r[i]
+            r[i] = new
+            old = torch.from_numpy(old_np)
+            change = torch.from_numpy(_checksum_change_np((i + t.dst_offset) * size, old_np, new, size))
+        else:
+            old = region[idx]
+            region[idx] = v
+            change = checksum_change((idx + t.dst_offset) * size, old, v, size)
         if self.session.rollback:
             self._element_snaps.append((region, idx, old))
-        region[idx] = v
-        change = checksum_change((idx + t.dst_offset) * live.element_size(), old, v, live.element_size())
         self._sum_changes.setdefault(id(live), []).append(change)
 
     def _requantize(self, info: LayerInfo, t: Target, idx: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> None:
         mod = info.module
         base = self.applier.bases.get((info.name, t.tensor))
-        if base is None or base.dtype != dtype:
+        if base is None:
             raise LayoutMismatchError(
                 f"{info.name}.{t.tensor}: a delta needs the model-format copy recorded by the last full "
-                f"update in {dtype}, found {'none' if base is None else base.dtype}"
+                "update, found none"
             )
         q, s = _live(mod, "weight"), _live(mod, "weight_scale")
         assert q is not None and s is not None  # checked when routed
@@ -306,7 +340,7 @@ class InPlaceUpdate:
         self._dirty.update((id(q), id(s)))
         method = mod.quant_method
         assert isinstance(method, OnlineQuantLinearMethod)  # checked when routed
-        apply_quantized_delta_(method, base, idx + t.dst_offset, v.view(dtype), q.detach(), s.detach(),
+        apply_quantized_delta_(method, base, idx + t.dst_offset, v.view(dtype).to(base.dtype), q.detach(), s.detach(),
                                getattr(mod, "tp_group", None))
         self.num_requantized += 1
 

@@ -42,7 +42,7 @@ import torch
 from weight_sync.errors import DeltaBaseError, DuplicateTensorError, ManifestError, TransportError
 from weight_sync.manifest import Manifest, TensorMeta
 from weight_sync.reload.delta_apply import DeltaApplier
-from weight_sync.transport.delta import apply_delta_, delta_stats, encode_delta
+from weight_sync.transport.delta import apply_delta_, copy_changed_, encode_delta_with_positions
 
 __all__ = [
     "DELTA_BASES",
@@ -116,8 +116,12 @@ class DeltaSender:
         reason = self._unusable(manifest)
         if reason is not None:
             return self._send_full(sender, pairs, manifest, version, reason)
+        # The encode moves the base to the new bytes as it goes (only the changed elements are
+        # written): until every engine commits, the base is no committed version (version None).
+        committed, fingerprints = self.version, self.fingerprints
+        self.version = None
         encodings, stats = self._encode(pairs, manifest)
-        info = {"mode": "delta", "base_version": self.version, "base_fingerprints": self.fingerprints,
+        info = {"mode": "delta", "base_version": committed, "base_fingerprints": fingerprints,
                 "wire": [int(e.numel()) for e in encodings]}
         try:
             sender.start_weight_update(manifest, version, delta=info)
@@ -125,12 +129,11 @@ class DeltaSender:
             if not is_delta_refusal(e):
                 raise
             log.warning("[rank 0] delta update %r refused by the engines (%s); sending it in full", version, e)
-            return self._send_full(sender, self._rebuilt(encodings, manifest), manifest, version, str(e))
+            # The base already holds the new weights: they are what the full update sends.
+            return self._send_full(sender, ((n, self.tensors[n]) for n in manifest.names), manifest, version,
+                                   str(e))
         sender.update_weights(list(zip(manifest.names, encodings)))
         report = sender.finish_weight_update()
-        # Every engine committed the delta: the base follows with the same bytes.
-        for name, enc in zip(manifest.names, encodings):
-            apply_delta_(self.tensors[name], enc, positions=False)
         self.version, self.fingerprints = report.version, list(report.fingerprints)
         self.last_stats = dict(stats, mode="delta")
         return replace(report, delta=self.last_stats)
@@ -148,21 +151,15 @@ class DeltaSender:
         for meta in manifest:
             name, t = next(pairs)
             _check(name, t, meta)
-            enc = encode_delta(t, self.tensors[name], chunk_elems=self.chunk_elems)
-            s = delta_stats(enc, t.numel(), t.dtype)
-            changed, numel = changed + s.num_changed, numel + t.numel()
+            base = self.tensors[name]
+            enc, pos = encode_delta_with_positions(t, base, chunk_elems=self.chunk_elems)
+            copy_changed_(base, t, pos)
+            changed, numel = changed + pos.numel(), numel + t.numel()
             encodings.append(enc)
         _expect_end(pairs, manifest)
         wire = sum(e.numel() for e in encodings)
         return encodings, {"num_changed": changed, "numel": numel, "changed_fraction": changed / max(numel, 1),
                            "wire_bytes": wire, "plain_bytes": manifest.nbytes}
-
-    def _rebuilt(self, encodings: list[torch.Tensor], manifest: Manifest) -> Iterator[tuple[str, torch.Tensor]]:
-        """The new tensors again, one at a time, from the base and the encodings (for the fallback)."""
-        for name, enc in zip(manifest.names, encodings):
-            t = self.tensors[name].clone()
-            apply_delta_(t, enc, positions=False)
-            yield name, t
 
     def _send_full(self, sender: Any, pairs: Iterator[tuple[str, torch.Tensor]], manifest: Manifest,
                    version: Any, reason: str) -> Any:
@@ -173,7 +170,9 @@ class DeltaSender:
 
         def recorded() -> Iterator[tuple[str, torch.Tensor]]:
             for name, t in pairs:
-                self._slot(name, t).copy_(t)
+                slot = self._slot(name, t)
+                if slot is not t:  # the fallback after a refused delta sends the base itself
+                    slot.copy_(t)
                 yield name, t
 
         sender.start_weight_update(manifest, version, delta={"mode": "full"})
