@@ -28,6 +28,7 @@ throughput >= 0.9x none.
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
 import statistics
 import sys
@@ -250,6 +251,7 @@ def main() -> None:
     ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
                     help="engine and trainer dtype (default: bfloat16 on CUDA, float32 on CPU)")
     ap.add_argument("--tag", default="cpu")
+    ap.add_argument("--results-dir", default=None, help="write the results here instead of benchmarks/results")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -336,7 +338,13 @@ def main() -> None:
                "none. A skipped update is one the trainer could not start because the previous one was "
                "still travelling (the engine never waits for it). Where the min-max ranges of a source's "
                "modes overlap, their throughput ratios are within this machine's noise."]
-    j, m = write_results(f"async_{args.tag}", payload, "\n".join(md) + "\n")
+    text = "\n".join(md) + "\n"
+    if args.results_dir is None:
+        j, m = write_results(f"async_{args.tag}", payload, text)
+    else:
+        j, m = Path(args.results_dir) / f"async_{args.tag}.json", Path(args.results_dir) / f"async_{args.tag}.md"
+        j.write_text(json.dumps(payload, indent=1, default=str))
+        m.write_text(text)
     print(f"wrote {j} and {m}")
 
 
