@@ -17,8 +17,9 @@ def _lines(out: str) -> list[dict]:
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
-@pytest.mark.parametrize("flags", [["--dlo-no-use-allgather"], ["--data-parallel-size", "2"]],
-                         ids=["no-allgather", "allgather-dp2"])
+@pytest.mark.parametrize("flags", [["--dlo-no-use-allgather"], ["--data-parallel-size", "2"],
+                                   ["--dlo-no-use-allgather", "--quantization", "fp8_block"]],
+                         ids=["no-allgather", "allgather-dp2", "fp8-streamed"])
 def test_rl_demo_improves_the_reward_and_every_served_output_equals_a_fresh_resident_load(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str]
 ) -> None:

@@ -140,9 +140,10 @@ def _run(args: argparse.Namespace) -> int:
     if args.rl:
         from weight_sync.offload.rl_demo import run_rl_demo
 
-        if config.dlo_enable_runtime_cache or args.checkpoint or args.quantization or args.dtype != "float32":
+        if config.dlo_enable_runtime_cache or args.checkpoint or args.dtype != "float32":
             raise ConfigError("--rl trains a float32 policy held by the trainer: it takes no --checkpoint, "
-                              "--dlo-enable-runtime-cache, --quantization or --dtype")
+                              "--dlo-enable-runtime-cache or --dtype (--quantization: the engine streams "
+                              "the policy quantized and requantizes every update)")
         opts.update(rl_steps=args.rl_steps, lr=args.rl_lr, eval_seed=args.seed + 10_000)
         return run_rl_demo(config, opts, png=Path(args.rl_png), timeout_s=args.timeout)
     if args.checkpoint is not None or config.dlo_enable_runtime_cache:

@@ -9,8 +9,11 @@ else one), spawned here, serving the policy under DLO and receiving each update 
 straight into its offloaded host storage (``weight_sync.offload.update``). Each step the engine
 denoises a fixed evaluation seed; the trainer denoises the same seed with a fresh resident model loaded
 from its own weights, and the two outputs must be bitwise equal (compared by SHA-256 of the bytes, the
-only thing the engine reports back with its reward and update time). It prints one JSON line per step,
-writes the reward curve as a PNG, and returns non-zero on any mismatch.
+only thing the engine reports back with its reward and update time). With ``--quantization NAME`` the
+engine streams the policy's block linears quantized (fp8 / int8) and requantizes every update it receives
+from the trainer's full-precision weights; the oracle is then the fresh resident model quantized the same
+way. It prints one JSON line per step, writes the reward curve as a PNG, and returns non-zero on any
+mismatch.
 """
 
 from __future__ import annotations
@@ -142,6 +145,12 @@ def run_rl_demo(config: OffloadConfig, opts: dict[str, Any], *, png: Path, timeo
             # The oracle: a fresh resident model loaded with the trainer's weights, same evaluation seed.
             fresh = SyntheticDiTPipeline(dit).eval()
             fresh.transformer.load_state_dict(dict(weights))
+            if config.quantization is not None:  # quantized the same way, without any offload code
+                from weight_sync.quant.modules import quantize_linears
+
+                with torch.no_grad():
+                    for block in fresh.transformer.blocks:
+                        quantize_linears(block, config.quantization)
             expected = _digest(fresh.generate(batch=opts["batch"], tokens=opts["tokens"],
                                               num_inference_steps=opts["steps"], seed=opts["eval_seed"]))
             reports = [results.get(timeout=timeout_s) for _ in range(world)]
