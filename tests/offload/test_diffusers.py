@@ -67,3 +67,28 @@ def test_reloading_weights_into_an_offloaded_tiny_flux_serves_exactly_a_fresh_re
         assert torch.equal(off.denoise(inputs, 2), expected)
         assert report.fingerprint == weight_sync.fingerprint(b.transformer)
         assert handle.fingerprint(off.transformer) == report.fingerprint
+
+
+def test_an_fp8_streamed_tiny_flux_requantizes_on_update_into_exactly_a_fresh_quantized_load() -> None:
+    import weight_sync
+    from weight_sync.quant.modules import quantize_linears
+
+    b = _FluxPipeline(tiny_flux_transformer(seed=3))
+    weights = [(k, v.detach().clone()) for k, v in b.transformer.state_dict().items()]
+    ref = copy.deepcopy(b)  # the resident model quantized the same way (every block's linears)
+    for blocks in (ref.transformer.transformer_blocks, ref.transformer.single_transformer_blocks):
+        for block in blocks:
+            quantize_linears(block, "fp8_block")
+    inputs = tiny_flux_inputs(seed=1)
+    expected = ref.denoise(inputs, 2)
+    cfg = OffloadConfig(enable_distributed_layerwise_offload=True, dlo_use_allgather=False, device="cpu",
+                        quantization="fp8_block")
+    with enable_layerwise_offload(copy.deepcopy(b), cfg) as fresh:
+        fresh_arena = fresh.store.arena.clone()  # type: ignore[union-attr]
+    off = _FluxPipeline(tiny_flux_transformer(seed=0))
+    with enable_layerwise_offload(off, cfg) as handle:
+        assert not torch.equal(off.denoise(inputs, 2), expected)
+        weight_sync.reload_weights(off.transformer, weights_iterator=iter(weights))
+        assert torch.equal(handle.store.arena, fresh_arena)  # type: ignore[union-attr]
+        assert torch.equal(off.denoise(inputs, 2), expected)
+        assert handle.fingerprint(off.transformer) == weight_sync.fingerprint(ref.transformer)
