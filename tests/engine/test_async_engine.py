@@ -194,3 +194,18 @@ def test_a_partial_staged_update_is_refused_after_a_direct_update_of_the_live_mo
         staging.begin_update(Manifest.from_named_tensors(w[:3]), version=3, allow_partial=True)
     _stage(engine, 2, 3)
     assert engine.generate(PROMPTS, NEW) == _engine(2).generate(PROMPTS, NEW)
+
+
+def test_an_update_the_step_callback_makes_itself_starts_a_span_like_a_commit() -> None:
+    engine = _engine(0)  # no staging: the pause-for-the-whole-update mode
+
+    def update() -> None:
+        w = _weights(1)
+        with engine.begin_update(Manifest.from_named_tensors(w), version=2) as s:
+            s.load(w)
+
+    k = 4
+    got = engine.generate_with_versions(PROMPTS, NEW, on_step=_at(k, update))
+    assert all(r.weight_versions == (VersionSpan("initial", 0, k), VersionSpan(2, k, NEW)) for r in got)
+    continued = _engine(1).generate([p + r.token_ids[:k] for p, r in zip(PROMPTS, got)], NEW - k)
+    assert [r.token_ids[k:] for r in got] == continued

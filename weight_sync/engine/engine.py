@@ -485,7 +485,9 @@ class ReferenceEngine:
             if on_step is not None:
                 on_step(step + 1)
                 self._check_servable()  # the callback may have updated the engine itself
-            if self._commit_pending():
+            # A staged version committed here, or an update the callback made: the tokens from here on
+            # are the new version's.
+            if self._commit_pending() | (self.weight_version != starts[-1][0]):
                 if self.weight_version != starts[-1][0]:
                     starts.append((self.weight_version, step + 1))
                 if self.kv_after_commit == "recompute":
