@@ -87,12 +87,19 @@ def allgather_update(rank: int, world: int, dit: dict[str, Any], rollback: bool)
     return result
 
 
-def transport_into_offloaded(rank: int, world: int, backend: str, dit: dict[str, Any]) -> dict[str, Any]:
-    """Rank 0 sends B over ``backend``; rank 1 receives it into an offloaded (no-AllGather) A."""
+def transport_into_offloaded(rank: int, world: int, backend: str, dit: dict[str, Any],
+                             quantization: str | None = None) -> dict[str, Any]:
+    """Rank 0 sends B over ``backend``; rank 1 receives it into an offloaded (no-AllGather) A, its blocks
+    quantized with ``quantization`` if given (the oracle is then B quantized the same way, resident)."""
     torch.set_num_threads(1)
     store = dist.distributed_c10d._get_default_store()
     b_pipe = _pipe(dit, 2)
     b = _weights(b_pipe)
+    if quantization is not None:
+        from weight_sync.quant.modules import quantize_linears
+
+        for block in b_pipe.transformer.blocks:  # after _weights: the sender sends full precision
+            quantize_linears(block, quantization)
     if rank == 0:
         sender = WeightSender(TransportConfig(backend=backend, bucket_bytes=64 << 10, timeout_s=60.0),
                               num_receivers=1)
@@ -103,7 +110,8 @@ def transport_into_offloaded(rank: int, world: int, backend: str, dit: dict[str,
         return {"fingerprints": report.fingerprints}
     pipe = _pipe(dit, 1)
     handle = enable_layerwise_offload(
-        pipe, OffloadConfig(enable_distributed_layerwise_offload=True, dlo_use_allgather=False, device="cpu")
+        pipe, OffloadConfig(enable_distributed_layerwise_offload=True, dlo_use_allgather=False, device="cpu",
+                            quantization=quantization)
     )
     receiver = WeightReceiver(pipe.transformer, store.get("address").decode(), 1)
     receiver.connect()

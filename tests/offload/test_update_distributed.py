@@ -30,9 +30,9 @@ def test_allgather_dp2_ranks_write_only_their_shard_and_serve_exactly_a_fresh_lo
         assert r["equal_after_recovery"]
 
 
-@pytest.mark.parametrize("backend", ["gloo", "shm"])
-def test_a_transport_feeds_an_offloaded_engine_unchanged(backend: str) -> None:
-    sender, engine = run_distributed(_update_workers.transport_into_offloaded, 2, backend, DIT)
+@pytest.mark.parametrize(("backend", "quantization"), [("gloo", None), ("shm", None), ("gloo", "fp8_block")])
+def test_a_transport_feeds_an_offloaded_engine_unchanged(backend: str, quantization: str | None) -> None:
+    sender, engine = run_distributed(_update_workers.transport_into_offloaded, 2, backend, DIT, quantization)
     assert engine["equal"] and engine["version"] == 1
     assert engine["fingerprint"] == engine["fresh"]
     assert sender["fingerprints"] == [engine["fresh"]]
