@@ -39,11 +39,11 @@ def expected_weights(ckpt: str, version: int) -> dict[str, torch.Tensor]:
     return full
 
 
-def engine_rank_model(ckpt: str, engine_rank: int) -> CausalLM:
+def engine_rank_model(ckpt: str, engine_rank: int, expert_parallel: bool = False) -> CausalLM:
     """A zero-filled engine rank (TP rank ``engine_rank % 2``): an element no region writes stays 0."""
     with open(f"{ckpt}/config.json") as f:
         cfg = ModelConfig.from_hf_dict(json.load(f))
-    model = CausalLM(cfg, tp=FixedTP(fixed_size=TP, fixed_rank=engine_rank % TP))
+    model = CausalLM(cfg, tp=FixedTP(fixed_size=TP, fixed_rank=engine_rank % TP), expert_parallel=expert_parallel)
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()
@@ -52,7 +52,7 @@ def engine_rank_model(ckpt: str, engine_rank: int) -> CausalLM:
 
 def wrong_parameters(model: CausalLM, ckpt: str, engine_rank: int, version: int) -> list[str]:
     """Parameters of ``model`` that differ from a fresh rank loaded with version ``version`` whole."""
-    fresh = engine_rank_model(ckpt, engine_rank)
+    fresh = engine_rank_model(ckpt, engine_rank, model.expert_parallel)
     fresh.load_weights(expected_weights(ckpt, version).items())
     got = dict(model.named_parameters())
     return sorted(n for n, p in fresh.named_parameters() if not torch.equal(got[n], p))
@@ -277,3 +277,33 @@ def nccl_trainer_to_engine(rank: int, world: int, ckpt: str) -> list[str]:
         wrong += [f"v{v} {n}" for n, p in fresh.named_parameters() if not torch.equal(got[n], p)]
     receiver.close()
     return wrong
+
+
+def checkpoint_trainers_to_ep_engines(rank: int, world: int, ckpt: str, num_updates: int) -> dict[str, Any]:
+    """MoE: 2 trainer ranks holding Shard(0) pieces -> one engine of 2 expert-parallel ranks, sharded."""
+    out: dict[str, Any] = {"updates": []}
+    cfg = ShardedConfig(num_trainers=NUM_TRAINERS, num_engine_ranks=world - NUM_TRAINERS, mode="sharded",
+                        bucket_bytes=16 << 10, timeout_s=30.0, host="127.0.0.1")
+    if rank < NUM_TRAINERS:
+        if rank == 0:
+            sender = ShardedSender(cfg, 0)
+            _share_address(sender.address, 0)
+        else:
+            sender = ShardedSender(cfg, rank, _share_address(None, rank))
+        sender.connect()
+        for v in range(1, num_updates + 1):
+            report = sender.send(*_checkpoint_pieces(ckpt, rank, v), version=v)
+            out["updates"].append({"region_bytes": report.region_bytes})
+        sender.close()
+        return out
+    d = rank - NUM_TRAINERS
+    engine = engine_rank_model(ckpt, d, expert_parallel=True)
+    receiver = ShardedReceiver(engine, _share_address(None, rank), d)
+    receiver.connect()
+    for v in range(1, num_updates + 1):
+        receiver.receive_update()
+        last = receiver.last_report
+        out["updates"].append({"region_bytes": last.region_bytes,  # type: ignore[union-attr]
+                               "wrong": wrong_parameters(engine, ckpt, d, v)})
+    receiver.close()
+    return out

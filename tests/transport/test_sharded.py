@@ -144,6 +144,18 @@ def test_fsdp2_trainers_update_tp_engines_bitwise_sending_each_rank_only_its_sha
             }
 
 
+def test_moe_trainers_update_expert_parallel_engine_ranks_with_only_their_experts(tmp_path: Path) -> None:
+    ckpt = str(make_checkpoint(tmp_path / "moe", arch="qwen3_moe", preset="tiny", tokenizer=False))
+    cfg = ModelConfig.from_hf_dict(hf_config("qwen3_moe", "tiny"))
+    metas = reference_checkpoint_metas(cfg)
+    plan = plan_routes(fsdp_holdings(metas, 2), reference_engine_needs(cfg, tp_size=2, expert_parallel=True))
+    results = run_distributed(_sharded_ranks.checkpoint_trainers_to_ep_engines, 4, ckpt, 2, timeout_s=300)
+    for d, r in enumerate(results[2:]):
+        for up in r["updates"]:
+            assert up["wrong"] == [], d
+            assert sum(up["region_bytes"].values()) == plan.needed_bytes()[d] < 0.6 * plan.model_bytes
+
+
 @pytest.mark.multi_gpu
 def test_nccl_point_to_point_updates_an_engine_on_another_gpu_bitwise(tmp_path: Path) -> None:
     if torch.cuda.device_count() < 2:
