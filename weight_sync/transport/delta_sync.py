@@ -48,6 +48,7 @@ __all__ = [
     "DELTA_BASES",
     "DeltaSender",
     "DeltaSession",
+    "DeltaUpdate",
     "ReceiverDeltaBase",
     "is_delta_refusal",
     "wire_manifest",
@@ -112,10 +113,25 @@ class DeltaSender:
         covers this manifest, a full update (recording the base) otherwise or when receivers refuse."""
         if not isinstance(manifest, Manifest):
             manifest = Manifest(tuple(manifest), version=version)
+        update = self.begin(named_tensors, manifest, version)
+        try:
+            sender.start_weight_update(manifest, version, delta=update.info)
+        except TransportError as e:
+            update = self.refused(update, e)
+            sender.start_weight_update(manifest, version, delta=update.info)
+        sender.update_weights(update.items())
+        return self.committed(update, sender.finish_weight_update())
+
+    def begin(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+              manifest: Manifest, version: Any) -> DeltaUpdate:
+        """The first step of one update driven phase by phase (``send()``, or vLLM's separate start /
+        update / finish calls): a delta encoded against the committed base when one covers
+        ``manifest``, else a full update that records the base. Its ``info`` is the start header's
+        ``delta`` record; ``items()`` what ``update_weights`` sends; :meth:`committed` its end."""
         pairs = _pairs(named_tensors, manifest)
         reason = self._unusable(manifest)
         if reason is not None:
-            return self._send_full(sender, pairs, manifest, version, reason)
+            return self._full(pairs, manifest, reason)
         # The encode moves the base to the new bytes as it goes (only the changed elements are
         # written): until every engine commits, the base is no committed version (version None).
         committed, fingerprints = self.version, self.fingerprints
@@ -123,19 +139,23 @@ class DeltaSender:
         encodings, stats = self._encode(pairs, manifest)
         info = {"mode": "delta", "base_version": committed, "base_fingerprints": fingerprints,
                 "wire": [int(e.numel()) for e in encodings]}
-        try:
-            sender.start_weight_update(manifest, version, delta=info)
-        except TransportError as e:
-            if not is_delta_refusal(e):
-                raise
-            log.warning("[rank 0] delta update %r refused by the engines (%s); sending it in full", version, e)
-            # The base already holds the new weights: they are what the full update sends.
-            return self._send_full(sender, ((n, self.tensors[n]) for n in manifest.names), manifest, version,
-                                   str(e))
-        sender.update_weights(list(zip(manifest.names, encodings)))
-        report = sender.finish_weight_update()
+        return DeltaUpdate(manifest, info, list(zip(manifest.names, encodings)), dict(stats, mode="delta"))
+
+    def refused(self, update: DeltaUpdate, error: TransportError) -> DeltaUpdate:
+        """After a failed start: the full update of the same weights when the engines refused the
+        delta's base (re-raises anything else)."""
+        if update.info.get("mode") != "delta" or not is_delta_refusal(error):
+            self.forget()
+            raise error
+        log.warning("[rank 0] delta update refused by the engines (%s); sending it in full", error)
+        manifest = update.manifest
+        # The base already holds the new weights: they are what the full update sends.
+        return self._full(((n, self.tensors[n]) for n in manifest.names), manifest, str(error))
+
+    def committed(self, update: DeltaUpdate, report: Any) -> Any:
+        """Every engine committed ``update``: the base is that version; the report says how it went."""
         self.version, self.fingerprints = report.version, list(report.fingerprints)
-        self.last_stats = dict(stats, mode="delta")
+        self.last_stats = update.stats
         return replace(report, delta=self.last_stats)
 
     def _unusable(self, manifest: Manifest) -> str | None:
@@ -161,11 +181,10 @@ class DeltaSender:
         return encodings, {"num_changed": changed, "numel": numel, "changed_fraction": changed / max(numel, 1),
                            "wire_bytes": wire, "plain_bytes": manifest.nbytes}
 
-    def _send_full(self, sender: Any, pairs: Iterator[tuple[str, torch.Tensor]], manifest: Manifest,
-                   version: Any, reason: str) -> Any:
+    def _full(self, pairs: Iterator[tuple[str, torch.Tensor]], manifest: Manifest, reason: str) -> DeltaUpdate:
         self.version = None  # the base is overwritten as the tensors stream: usable again only on commit
-        names = set(manifest.names)
-        for stale in [n for n in self.tensors if n not in names]:
+        keep = set(manifest.names)
+        for stale in [n for n in self.tensors if n not in keep]:
             del self.tensors[stale]
 
         def recorded() -> Iterator[tuple[str, torch.Tensor]]:
@@ -175,13 +194,25 @@ class DeltaSender:
                     slot.copy_(t)
                 yield name, t
 
-        sender.start_weight_update(manifest, version, delta={"mode": "full"})
-        sender.update_weights(recorded())
-        report = sender.finish_weight_update()
-        self.version, self.fingerprints = report.version, list(report.fingerprints)
-        self.last_stats = {"mode": "full", "reason": reason, "wire_bytes": manifest.nbytes,
-                           "plain_bytes": manifest.nbytes}
-        return replace(report, delta=self.last_stats)
+        return DeltaUpdate(manifest, {"mode": "full"}, recorded(),
+                           {"mode": "full", "reason": reason, "wire_bytes": manifest.nbytes,
+                            "plain_bytes": manifest.nbytes})
+
+
+class DeltaUpdate:
+    """One update as :class:`DeltaSender` plans it: the start header's ``delta`` record, the (name,
+    tensor) pairs ``update_weights`` sends (encodings, or the full tensors as they stream), its stats."""
+
+    def __init__(self, manifest: Manifest, info: dict[str, Any],
+                 pairs: list[tuple[str, torch.Tensor]] | Iterator[tuple[str, torch.Tensor]],
+                 stats: dict[str, Any]) -> None:
+        self.manifest = manifest
+        self.info = info
+        self.pairs = pairs
+        self.stats = stats
+
+    def items(self) -> list[tuple[str, torch.Tensor]] | Iterator[tuple[str, torch.Tensor]]:
+        return self.pairs
 
 
 def _pairs(named: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor], manifest: Manifest) -> Iterator[tuple[str, torch.Tensor]]:
@@ -217,7 +248,7 @@ class ReceiverDeltaBase:
         self.device = torch.device(device)
         self.tensors: dict[str, torch.Tensor] = {}
         self.layouts: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
-        self.applier = DeltaApplier(self.device)
+        self.applier = DeltaApplier()
         self.version: Any = None
         self.fingerprint: str | None = None
         self.valid = False
@@ -378,7 +409,8 @@ class DeltaSession:
         self._base.commit(report.version, report.fingerprint, self._layouts if full else None,
                           self._copied if full else None)
         self._base.last_stats = {"mode": self._mode, "in_place": self._update.num_in_place,
-                                 "requantized": self._update.num_requantized, "through_session": self._through}
+                                 "requantized": self._update.num_requantized, "through_session": self._through,
+                                 "seconds": dict(self._update.seconds, total=report.seconds.get("total", 0.0))}
         return report
 
     def _fail(self, exc: BaseException) -> None:
