@@ -22,7 +22,9 @@ throughput >= 0.9x none.
 
     python benchmarks/bench_async.py                            # CPU, CI-sized (~1-2 min)
     python benchmarks/bench_async.py --device cuda --preset qwen3-8b --batch 8 --steps 512 \\
-        --every 64 --sources local,ipc,gloo --tag h200          # one H200, CUDA graphs
+        --every 64 --sources local,ipc --tag h200               # one H200, CUDA graphs, colocated
+    python benchmarks/bench_async.py --device cuda --preset qwen3-8b --batch 8 --steps 512 \\
+        --every 128 --sources gloo --repeats 1 --tag h200_gloo  # the slow path: gloo from host memory
 """
 
 from __future__ import annotations
@@ -296,6 +298,8 @@ def main() -> None:
         finally:
             source.close()
             del source  # a local source holds two model-size weight sets on the device
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # ... which a colocated trainer process may need next
     num_bytes = staging.num_bytes
     bound_s = _copy_bound_s(num_bytes, device, staging.placement == "host" and device.type == "cuda")
     rows = []
