@@ -174,6 +174,7 @@ class _Peer:
         self.seq = 0
         self.cuts: dict[tuple, tuple[list[Item], list[Bucket], int]] = {}
         self._bcast: dict[int, Any] | None = None
+        self._buffers: dict[tuple, list[torch.Tensor]] = {}
 
     def broadcast_groups(self) -> dict[int, Any]:
         """Per trainer rank ``s``, the group {s, every engine rank} it broadcasts its pieces over (root 0).
@@ -217,12 +218,17 @@ class _Peer:
         raise_agreed(statuses, phase, self.config.world_size, local=error)
         return statuses
 
-    def buffers(self, n: int, nbytes: int, device: torch.device) -> list[torch.Tensor]:
-        return [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(n)]
+    def buffers(self, key: tuple, n: int, nbytes: int, device: torch.device) -> list[torch.Tensor]:
+        """``n`` bucket buffers of one link, allocated once and reused by every update of that layout."""
+        bufs = self._buffers.get(key)
+        if bufs is None or len(bufs) != n or bufs[0].numel() < nbytes or bufs[0].device != device:
+            bufs = self._buffers[key] = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(n)]
+        return bufs
 
     def close(self) -> None:
         self.channel.close()
         self.store = None
+        self._buffers = {}
 
 
 def _trailer(buf: torch.Tensor, b: Bucket, digest: int) -> None:
@@ -432,7 +438,8 @@ def _send_links(peer: _Peer, links: list[tuple[int, list[Item], list[Bucket], in
     device = next(iter(local.values())).device if local else torch.device("cpu")
     region: dict[int, int] = {d: 0 for d, *_ in links}
     wire = 0
-    bufs = {g: peer.buffers(cfg.depth, max(b.nbytes for b in cut_of[g][1]) + TRAILER_BYTES, device) for g in shared}
+    bufs = {g: peer.buffers(("send", i), cfg.depth, max(b.nbytes for b in cut_of[g][1]) + TRAILER_BYTES, device)
+            for i, g in enumerate(shared)}
     inflight: dict[tuple[int, int], list[Any]] = {}
     longest = max((len(c[1]) for c in cut_of.values()), default=0)
     for k in range(longest):
@@ -523,7 +530,7 @@ def receive_links(peer: _Peer, links: list[tuple[int, list[Item], list[Bucket], 
     landed: queue.Queue = queue.Queue()
     free = {s: threading.Semaphore(cfg.depth) for s, *_ in links}
     stop = threading.Event()
-    bufs = {s: peer.buffers(cfg.depth, max(b.nbytes for b in buckets) + TRAILER_BYTES, device)
+    bufs = {s: peer.buffers(("recv", s), cfg.depth, max(b.nbytes for b in buckets) + TRAILER_BYTES, device)
             for s, _, buckets, _ in links}
 
     def receive(s: int, buckets: list[Bucket]) -> None:

@@ -249,6 +249,9 @@ class ShardedReceiver:
                 peer.store.set(f"{PREFIX}/needs_json/{self.rank}/{hit[1]}", text)
                 self._published.add(hit[1])
         peer.store.set(f"{PREFIX}/needs/{peer.seq}/{self.rank}", hit[1])
+        if peer.seq > 1:
+            # Every trainer rank read the last update's key before that update's start exchange.
+            peer.store.delete_key(f"{PREFIX}/needs/{peer.seq - 1}/{self.rank}")
         return hit[0]
 
     def _holdings_of(self, peer: _Peer, digest: str) -> list[Holding]:
