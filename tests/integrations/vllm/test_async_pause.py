@@ -214,3 +214,50 @@ def test_a_refused_update_while_kept_changes_no_served_token(engines, vllm_ckpts
     assert failed == untouched
     assert {c.spans[-1][0] for c in failed.values() if c.spans} == {"default"}
     assert llm.collective_rpc("ws_status")[0]["torn"] is None
+
+
+@pytest.mark.parametrize("user_call", ["keep", "resume"])
+def test_a_pause_or_resume_during_weight_syncs_hold_takes_effect_at_the_commit_not_before(
+    engines, vllm_ckpts, kept_kv, user_call
+) -> None:
+    from weight_sync.integrations.vllm import LLMControl, WeightSyncClient
+
+    llm = engines["ws"]
+    core = _core(llm)
+    items = dict(checkpoint_items(vllm_ckpts["b"]))
+
+    held: list[bool] = []
+
+    class UserCallsMidUpdate(LLMControl):
+        """The user's pause_generation / resume_generation lands between start and finish."""
+
+        def update_weights(self, update_info: dict[str, Any]) -> None:
+            if user_call == "keep":
+                core.pause_scheduler(mode="keep", clear_cache=False)
+            else:
+                core.resume_scheduler()
+            held.append(core.is_scheduler_paused())  # (an assert here would leave the sender waiting)
+            super().update_weights(update_info)
+
+    def push(llm: Any) -> None:
+        if user_call == "resume":
+            core.pause_scheduler(mode="keep", clear_cache=False)  # the user paused before the update
+        with WeightSyncClient(UserCallsMidUpdate(llm)) as client:
+            client.connect()
+            client.push(items, version=5)
+        assert held == [True]  # nothing could step on half-written weights
+        assert core.is_scheduler_paused() == (user_call == "keep")
+        if user_call == "keep":
+            core.resume_scheduler()
+
+    try:
+        ws = run_schedule(llm, f"midhold-{user_call}", push, mode=None)
+    finally:
+        if core.is_scheduler_paused():
+            core.resume_scheduler()
+        _back_to_a(llm, vllm_ckpts["a"])
+    # Paused by the user at the commit (either way the update began paused or ended so): KV kept.
+    for name in ("p0", "p1"):
+        c = ws[name]
+        assert c.spans == [("default", 0, BEFORE), ("5", BEFORE, MAX_TOKENS)]
+        assert max(kept_kv.deficits(c.prompt_ids, c.tokens, BEFORE, kept=user_call == "keep")) <= LOGIT_TOLERANCE

@@ -5,9 +5,11 @@ weight_sync's worker class, its options and the weight-transfer backend. Then
 ``llm.collective_rpc("reload_weights", kwargs={"weights_path": p})`` or ``{"weights_iterator": it}`` is a
 weight_sync update (validated before the first write, layerwise processed, pointers verified), in single-
 and multi-process mode (iterators are spooled through shared memory, never pickled). Extension RPCs:
-``ws_fingerprint``, ``ws_last_report``, ``ws_status``. After every update the prefix cache is reset; a
-failed update either changes nothing, rolls back (``rollback=True``) or leaves the engine refusing
-requests until the next complete update - it never serves a mix of versions.
+``ws_fingerprint``, ``ws_last_report``, ``ws_status``. After every update the prefix cache is reset
+unless the user paused the engine (``AsyncLLM.pause_generation``: its mode and ``clear_cache`` decide, as
+on plain vLLM; docs/vllm.md, *Asynchronous RL*); a failed update either changes nothing, rolls back
+(``rollback=True``) or leaves the engine refusing requests until the next complete update - it never
+serves a mix of versions.
 
 Limitations:
 - ``import weight_sync.integrations.vllm`` is light, but :func:`engine_kwargs` and the worker import vllm.

@@ -17,6 +17,11 @@ call arguments. Three small wrappers, installed once per process by the plugin (
     ``pause_generation`` decide, exactly as on plain vLLM. After a failed update either way: ask the
     workers whether the model is torn; if so, abort in-flight (also kept) requests and refuse new ones
     until a complete update succeeds.
+``EngineCore.pause_scheduler`` / ``resume_scheduler`` (and the overrides of its subclasses)
+    A pause or resume that arrives during weight_sync's hold is what the scheduler returns to when the
+    hold ends; until the commit nothing steps (a ``wait`` pause's in-flight requests therefore finish
+    after the commit, on the new weights: the old ones are being overwritten), and the commit then
+    follows the user's pause (no cache reset, no relabel).
 ``EngineCore.preprocess_add_request``
     Refuses requests (naming the failed update) while the engine is torn: in a multiprocess engine each
     refused request finishes with an error.
@@ -77,6 +82,15 @@ def install_engine_hooks() -> None:
     from vllm.v1.engine.llm_engine import LLMEngine
 
     EngineCore.collective_rpc = _wrap_core_rpc(EngineCore.collective_rpc)  # type: ignore[method-assign]
+    from vllm.v1.engine import core as core_module
+
+    for cls in vars(core_module).values():
+        if isinstance(cls, type) and issubclass(cls, EngineCore):
+            # Each class that defines its own pause / resume (EngineCoreProc, DPEngineCoreProc) is wrapped.
+            if "pause_scheduler" in vars(cls):
+                cls.pause_scheduler = _wrap_pause_call(cls.pause_scheduler)  # type: ignore[attr-defined]
+            if "resume_scheduler" in vars(cls):
+                cls.resume_scheduler = _wrap_pause_call(cls.resume_scheduler)  # type: ignore[attr-defined]
     EngineCore.preprocess_add_request = _wrap_add_request(  # type: ignore[method-assign]
         EngineCore.preprocess_add_request
     )
@@ -117,26 +131,64 @@ def _wrap_core_rpc(original: Any) -> Any:
 
 
 def _hold(core: Any) -> None:
+    """Stop stepping until the session ends, whatever the user's pause state (restored at release).
+
+    Under a user's pause this changes nothing the user can see (nothing runs: abort and wait drained the
+    engine, keep froze it) except that a ``resume_generation`` during the session waits for its end.
+    """
     from vllm.v1.core.sched.interface import PauseState
 
-    if core.scheduler.pause_state == PauseState.UNPAUSED:
-        core.scheduler.set_pause_state(PauseState.PAUSED_ALL)
-        core._ws_held = True
+    if getattr(core, "_ws_held", False):
+        return
+    core._ws_after_hold = core.scheduler.pause_state
+    core._ws_held = True
+    core.scheduler.set_pause_state(PauseState.PAUSED_ALL)
 
 
 def _release(core: Any) -> None:
     from vllm.v1.core.sched.interface import PauseState
 
     if getattr(core, "_ws_held", False):
-        core.scheduler.set_pause_state(PauseState.UNPAUSED)
         core._ws_held = False
+        core.scheduler.set_pause_state(getattr(core, "_ws_after_hold", PauseState.UNPAUSED))
 
 
 def _paused_by_user(core: Any) -> bool:
-    """Whether the scheduler is paused by ``pause_generation`` (any mode) rather than by weight_sync's hold."""
+    """Whether ``pause_generation`` (any mode) paused the scheduler, before or during weight_sync's hold."""
     from vllm.v1.core.sched.interface import PauseState
 
-    return core.scheduler.pause_state != PauseState.UNPAUSED and not getattr(core, "_ws_held", False)
+    if getattr(core, "_ws_held", False):
+        return bool(getattr(core, "_ws_after_hold", PauseState.UNPAUSED) != PauseState.UNPAUSED)
+    return bool(core.scheduler.pause_state != PauseState.UNPAUSED)
+
+
+def _keep_holding(core: Any) -> None:
+    """After the user's pause or resume ran during the hold: remember its state, restore the hold."""
+    from vllm.v1.core.sched.interface import PauseState
+
+    core._ws_after_hold = core.scheduler.pause_state
+    core.scheduler.set_pause_state(PauseState.PAUSED_ALL)
+
+
+def _wrap_pause_call(original: Any) -> Any:
+    """``pause_scheduler`` / ``resume_scheduler``: during the hold, the state the call set is kept for later."""
+
+    @functools.wraps(original)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        # Overrides call their base's method (DPEngineCoreProc.resume_scheduler), which is wrapped too:
+        # only the outermost call may read the state the user asked for.
+        outer = not getattr(self, "_ws_in_pause_call", False)
+        self._ws_in_pause_call = True
+        try:
+            result = original(self, *args, **kwargs)
+        finally:
+            if outer:
+                self._ws_in_pause_call = False
+        if outer and getattr(self, "_ws_held", False):
+            _keep_holding(self)
+        return result
+
+    return call
 
 
 def _after_commit(core: Any, rpc: Any, method: str, result: Any) -> None:
@@ -147,6 +199,7 @@ def _after_commit(core: Any, rpc: Any, method: str, result: Any) -> None:
         # vLLM's documented pause semantics: abort / wait left nothing running, keep froze the running
         # requests with their KV, and clear_cache=True already cleared the caches when the pause
         # completed. Resetting here would preempt kept requests that the user asked to continue.
+        _release(core)  # a pause that came during the hold: its state, not UNPAUSED
         return
     # Blocks cached under the old weights must never be hit again; requests already running are
     # preempted and recomputed so their KV does not mix versions either.
