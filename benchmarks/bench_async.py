@@ -222,16 +222,18 @@ def run_mode(engine: ReferenceEngine, source: Source, mode: str, prompts: list[l
     sync()
     seconds = time.perf_counter() - t0
     note_commit()
+    late = 0
     if handle is not None:
         handle.wait()
-        if engine.commit_staged() is not None:  # staged after the last step: not part of the run
+        if engine.commit_staged() is not None:  # ready only after the last step: not part of the run
             note_commit()
             committed.pop()
             pauses.pop()
+            late = 1
     spans = {len(r.weight_versions) for r in out}
     return {
         "mode": mode, "seconds": seconds, "tokens": len(prompts) * steps,
-        "tokens_per_s": len(prompts) * steps / seconds, "updates": len(committed), "skipped": skipped,
+        "tokens_per_s": len(prompts) * steps / seconds, "updates": len(committed), "skipped": skipped, "late": late,
         "pauses_ms": [x * 1e3 for x in pauses], "spans_per_sequence": sorted(spans),
         "next_version": version,
     }
@@ -316,6 +318,7 @@ def main() -> None:
                 "source": kind, "mode": mode, "tokens_per_s": tps,
                 "tokens_per_s_range": [min(r["tokens_per_s"] for r in mine), max(r["tokens_per_s"] for r in mine)], "throughput_vs_none": tps / base,
                 "updates": sum(r["updates"] for r in mine), "skipped": sum(r["skipped"] for r in mine),
+                "late": sum(r["late"] for r in mine),
                 "pause_median_ms": pm, "pause_max_ms": max(pauses) if pauses else None,
                 "pause_vs_one_copy": pm / 1e3 / bound_s if pm is not None else None,
             })
@@ -327,7 +330,7 @@ def main() -> None:
           f"Preset `{args.preset}` ({dtype}, quantization {args.quantization}), batch {args.batch}, prompt {args.prompt_len}, {args.steps} decode "
           f"steps per run, {args.repeats} runs per mode interleaved (tok/s: median run; pauses: all runs); staging twin: {staging_info.get('placement')} ({num_bytes / 1e6:.1f} MB of kernel tensors); "
           f"one copy of those bytes: {bound_s * 1e3:.2f} ms. KV kept across commits.", "",
-          "| source | mode | tok/s (median) | tok/s (min-max) | vs none | updates (skipped) | pause median ms | "
+          "| source | mode | tok/s (median) | tok/s (min-max) | vs none | updates (skipped, late) | pause median ms | "
           "pause max ms | pause / one copy |",
           "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -337,10 +340,11 @@ def main() -> None:
         lo, hi = r["tokens_per_s_range"]
         md.append(f"| {r['source']} | {r['mode']} | {r['tokens_per_s']:.1f} | {lo:.1f}-{hi:.1f} | "
                   f"{r['throughput_vs_none']:.2f}x | "
-                  f"{r['updates']} ({r['skipped']}) | {pm} | {px} | {pr} |")
+                  f"{r['updates']} ({r['skipped']}, {r['late']}) | {pm} | {px} | {pr} |")
     md += ["", "Goals (GPU, staging on the device): staged pause <= 1.2x one copy; staged throughput >= 0.9x "
                "none. A skipped update is one the trainer could not start because the previous one was "
-               "still travelling (the engine never waits for it). Where the min-max ranges of a source's "
+               "still travelling (the engine never waits for it); a late one was staged but ready only "
+               "after the run's last step (not counted in updates). Where the min-max ranges of a source's "
                "modes overlap, their throughput ratios are within this machine's noise."]
     text = "\n".join(md) + "\n"
     if args.results_dir is None:

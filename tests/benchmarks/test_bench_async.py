@@ -21,14 +21,16 @@ def test_a_tiny_run_commits_every_staged_update_and_reports_pauses_against_one_c
     rows = {r["mode"]: r for r in payload["rows"]}
     assert set(rows) == {"none", "pause", "staged"}
     assert rows["none"]["updates"] == 0 and rows["none"]["pause_median_ms"] is None
-    # Updates are due at tokens 8 and 16 of 24: both are applied (pause) or staged and committed.
+    # Updates are due at tokens 8 and 16 of 24: both are applied (pause); staged, each is committed
+    # during the run, skipped (the previous one still staging) or ready only after the last step.
     assert rows["pause"]["updates"] == 2
-    assert rows["staged"]["updates"] + rows["staged"]["skipped"] == 2 and rows["staged"]["updates"] >= 1
+    staged = rows["staged"]
+    assert staged["updates"] + staged["skipped"] + staged["late"] == 2 and staged["late"] <= 1
     assert payload["staging"]["num_bytes"] == payload["committed_bytes"] > 0
     for r in payload["runs"]:
         # Every sequence holds one span per version it saw: the first, and one per update of the run.
         assert max(r["spans_per_sequence"]) == 1 + r["updates"]
     md = (tmp_path / "async_t.md").read_text()
-    staged = rows["staged"]
     assert f"| local | staged | {staged['tokens_per_s']:.1f} |" in md
-    assert f"{staged['pause_vs_one_copy']:.2f}x |" in md
+    if staged["pause_vs_one_copy"] is not None:
+        assert f"{staged['pause_vs_one_copy']:.2f}x |" in md
