@@ -41,14 +41,17 @@ def cuda_ms(fn, repeats: int) -> tuple[float, float]:
 
 def main() -> None:
     p = argparse.ArgumentParser()
+    p.add_argument("--arch", default="qwen3", help="qwen3 or qwen3_moe")
     p.add_argument("--preset", default="qwen3-8b")
+    p.add_argument("--layers", type=int, default=None, help="fewer layers than the preset (memory)")
     p.add_argument("--formats", default="bf16,fp8,fp8_per_channel,fp8_block")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--cprofile", type=int, default=0, help="also print the top N host functions (cProfile)")
     args = p.parse_args()
     device = torch.device("cuda")
-    cfg = hf_config("qwen3", args.preset)
+    overrides = {"num_hidden_layers": args.layers} if args.layers else {}
+    cfg = hf_config(args.arch, args.preset, **overrides)
     source = [(n, t.contiguous()) for n, t in random_weights(cfg, seed=1, device=device)]
     nbytes = sum(t.numel() * t.element_size() for _, t in source)
     manifest = Manifest.from_named_tensors(source)

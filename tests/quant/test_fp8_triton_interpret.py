@@ -1,4 +1,4 @@
-"""The Triton fp8 kernels (fused block/channel; absmax + cast per tensor) under Triton's CPU interpreter against the torch path: the same bits.
+"""The Triton fp8 kernels (fused block/channel, one weight or grouped; absmax + cast per tensor) under Triton's CPU interpreter against the torch path: the same bits.
 
 ``TRITON_INTERPRET=1`` must be set before a kernel is decorated, and the decorated kernels are cached
 per process, so the kernels run in one child process for all cases; each test then compares one case
@@ -64,6 +64,18 @@ for name, c in torch.load(sys.argv[1]).items():
     else:
         q, s = quantize_fp8_fused(w, c["granularity"], c["block"], FP8_MAX, _EPS)
     out[name] = {"q": q, "scale": s, "stride": w.stride()}
+# The grouped kernel: every case of one configuration in one call, into fresh outputs.
+from weight_sync.quant.fp8_grouped import quantize_fp8_grouped
+by_config = {}
+for name, c in torch.load(sys.argv[1]).items():
+    if c["granularity"] != "tensor" and c["w"].numel() and c["w"].stride(1) == 1:
+        by_config.setdefault((c["granularity"], c["block"]), []).append(name)
+cases = torch.load(sys.argv[1])
+for (granularity, block), names in by_config.items():
+    items = [(cases[n]["w"], torch.empty_like(out[n]["q"]), torch.empty_like(out[n]["scale"])) for n in names]
+    quantize_fp8_grouped(items, granularity, block, FP8_MAX, _EPS)
+    for n, (_, q, s) in zip(names, items):
+        out[n]["grouped"] = (q, s)
 torch.save(out, sys.argv[2])
 """
 
@@ -115,6 +127,19 @@ def test_the_interpreted_kernel_quantizes_bitwise_like_the_torch_path(name: str,
     assert got["stride"] == case["w"].stride()
     ref_q, ref_s = quantize_fp8(case["w"], Fp8Config(granularity=case["granularity"], block_size=case["block"]))
     assert_same_bits(got["q"], got["scale"], ref_q, ref_s, name)
+
+
+GROUPED = [n for n, c in CASES.items() if c["granularity"] != "tensor" and c["w"].numel() and c["w"].stride(1) == 1]
+
+
+@needs_triton
+@pytest.mark.parametrize("name", GROUPED)
+def test_the_grouped_kernel_quantizes_every_weight_of_one_launch_bitwise_like_the_torch_path(
+    name: str, interpreted,
+) -> None:
+    case, (q, s) = CASES[name], interpreted[name]["grouped"]
+    ref_q, ref_s = quantize_fp8(case["w"], Fp8Config(granularity=case["granularity"], block_size=case["block"]))
+    assert_same_bits(q, s, ref_q, ref_s, name)
 
 
 def test_the_fused_kernel_refuses_what_it_does_not_handle() -> None:

@@ -8,7 +8,12 @@ import pytest
 import torch
 from torch import nn
 
-from weight_sync import PointerChangedError, begin_update, record_metadata_for_reloading
+from weight_sync import (
+    PointerChangedError,
+    UpdateStateError,
+    begin_update,
+    record_metadata_for_reloading,
+)
 from weight_sync.layers import signatures
 from weight_sync.reload.audit import take_baseline, verify_baseline
 
@@ -84,3 +89,84 @@ def test_layers_exempted_as_first_processed_may_get_new_tensors() -> None:
     verify_baseline(net, base, ("layers.0.",))
     with pytest.raises(PointerChangedError, match=r"layers\.0\.weight"):
         verify_baseline(net, base, ("layers.1.",))
+
+
+def _add_attribute(net: Net) -> None:
+    net.layers[0].extra = torch.zeros(2)
+
+
+def _add_buffer(net: Net) -> None:
+    net.head.register_buffer("bias_scale", torch.ones(2))
+
+
+def _add_module(net: Net) -> None:
+    net.layers.append(nn.Linear(4, 4))
+
+
+def _walks(monkeypatch) -> list[int]:
+    import weight_sync.reload.session as session_mod
+
+    walked: list[int] = []
+    real = session_mod.take_baseline
+
+    def counting(model: nn.Module):
+        walked.append(1)
+        return real(model)
+
+    monkeypatch.setattr(session_mod, "take_baseline", counting)
+    return walked
+
+
+def test_the_next_update_reuses_the_committed_baseline_instead_of_walking(monkeypatch) -> None:
+    net = Net()
+    record_metadata_for_reloading(net)
+    walked = _walks(monkeypatch)
+    for seed in (1, 2, 3):
+        with begin_update(net) as s:
+            s.load(_weights(seed))
+    assert walked == [1]  # the first begin walks; the later ones re-check what it found
+    assert net.layers[2].weight.equal(dict(_weights(3))["layers.2.weight"])
+
+
+def test_a_layer_replaced_between_updates_is_refused_at_begin_naming_it() -> None:
+    net = Net()
+    record_metadata_for_reloading(net)
+    with begin_update(net) as s:
+        s.load(_weights(1))
+    _replace_module(net)
+    with pytest.raises(UpdateStateError, match=r"layer 'layers\.0'.*found another Linear"):
+        begin_update(net)
+    with pytest.raises(UpdateStateError, match=r"layer 'layers\.0'"):
+        begin_update(net)  # still refused: nothing was written, and the replacement is still there
+
+
+@pytest.mark.parametrize("change", [_rebind_parameter, _swap_storage, _rebind_attribute,
+                                    _add_attribute, _add_buffer, _add_module])
+def test_a_change_between_updates_makes_the_next_begin_walk_and_load_into_the_new_tensors(
+    monkeypatch, change: Callable[[Net], None],
+) -> None:
+    net = Net()
+    record_metadata_for_reloading(net)
+    walked = _walks(monkeypatch)
+    with begin_update(net) as s:
+        s.load(_weights(1))
+    change(net)  # the caller's code between updates
+    with begin_update(net) as s:
+        s.load(_weights(2))
+    assert walked == [1, 1]
+    state = dict(net.state_dict())
+    for name, t in _weights(2):
+        assert state[name].equal(t), name
+
+
+def test_a_tensor_added_between_updates_is_audited_by_the_next_update() -> None:
+    net = Net()
+    record_metadata_for_reloading(net)
+    with begin_update(net) as s:
+        s.load(_weights(1))
+    _add_attribute(net)
+    session = begin_update(net)
+    session.load(_weights(2))
+    net.layers[0].extra = torch.zeros(2)  # rebound during this update: it must be in this baseline
+    with pytest.raises(PointerChangedError, match=r"layers\.0\.extra"):
+        session.finish()

@@ -63,7 +63,11 @@ def test_a_stream_in_block_order_buffers_at_most_one_experts_staging(quant, ckpt
     engine = ReferenceEngine.from_checkpoint(ckpts["wide_a"], quantization=quant)
     report = engine.reload_weights(ckpts["wide_b"])
     one = _expert_bytes(128, 128)
-    assert report.peak_buffered_bytes == one  # 98304 bytes; the whole experts layer is 8x that
+    if quant == "fp8_block":
+        # Tile-aligned experts are quantized key by key into their kernel tensors: no expert staging.
+        assert set(EXPERTS) <= set(report.layers_banded) and report.peak_buffered_bytes < one
+    else:
+        assert report.peak_buffered_bytes == one  # 98304 bytes; the whole experts layer is 8x that
     assert_bitwise_equal(engine.model, ReferenceEngine.from_checkpoint(ckpts["wide_b"], quantization=quant).model)
     # The tiny preset: one expert (49152 bytes) plus the non-expert layer in flight bound the peak.
     tiny = ReferenceEngine.from_checkpoint(ckpts["a"], quantization=quant)

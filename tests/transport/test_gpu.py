@@ -33,7 +33,12 @@ def test_bucket_checksum_on_cuda_equals_the_cpu_checksum() -> None:
 @pytest.mark.gpu
 def test_checksums_of_many_cuda_tensors_at_once_equal_their_cpu_checksums() -> None:
     tensors = [torch.randn(n, 129).to(torch.bfloat16) for n in (1, 64, 513)] + [torch.randn(3).to(torch.uint8)]
-    assert tensor_checksums([t.cuda() for t in tensors]) == [tensor_checksum(t) for t in tensors]
+    # Several 65521-word chunks per tensor (one grouped Triton launch), and a view 2 bytes into its storage.
+    tensors += [torch.randn(300, 4096).to(torch.bfloat16), torch.randint(-2**31, 2**31 - 1, (65521 * 3 + 5,),
+                                                                         dtype=torch.int32)]
+    odd = torch.randn(1001).to(torch.bfloat16).cuda()[1:]
+    assert tensor_checksums([t.cuda() for t in tensors] + [odd]) == [tensor_checksum(t) for t in tensors] + [
+        tensor_checksum(odd.cpu())]
 
 
 @pytest.mark.multi_gpu

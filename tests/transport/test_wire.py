@@ -60,6 +60,34 @@ def test_checksums_of_many_tensors_at_once_equal_each_tensors_own() -> None:
     assert tensor_checksums([]) == []
 
 
+_TRITON_CHILD = r"""
+import sys, torch
+from weight_sync.checksum import checksum_value
+from weight_sync.checksum_triton import word_sums
+tensors = torch.load(sys.argv[1])
+sums = word_sums(tensors)
+torch.save([checksum_value(sums[i], t.numel() * t.element_size()) for i, t in enumerate(tensors)], sys.argv[2])
+"""
+
+
+def test_the_grouped_triton_checksum_kernel_equals_the_definition_under_the_interpreter(tmp_path) -> None:
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("Triton is not installed: no interpreter to run the kernel")
+    g = torch.Generator().manual_seed(3)
+    tensors = [torch.randint(-2**31, 2**31 - 1, (n,), dtype=torch.int32, generator=g)
+               for n in (1, 65520, 65521, 65522, 65521 * 2 + 7)] + [torch.randn(50, 77, generator=g).to(torch.bfloat16)]
+    torch.save(tensors, tmp_path / "in.pt")
+    out = subprocess.run([sys.executable, "-c", _TRITON_CHILD, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert torch.load(tmp_path / "out.pt") == [_reference_checksum(t) for t in tensors]
+
+
 def test_a_flipped_byte_changes_the_bucket_checksum() -> None:
     data = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8)
     before = bucket_checksum(data).tolist()

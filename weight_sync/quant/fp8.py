@@ -20,7 +20,13 @@ from weight_sync.quant.fp8_triton import (
     tensor_cast_fp8,
     triton_available,
 )
-from weight_sync.quant.online import OnlineQuantLinearMethod, fitting_output, reduce_max
+from weight_sync.quant.online import (
+    OnlineQuantLinearMethod,
+    RowBands,
+    fitting_output,
+    reduce_max,
+    write_band,
+)
 
 __all__ = [
     "FP8_MAX",
@@ -28,6 +34,7 @@ __all__ = [
     "Fp8LinearMethod",
     "dequantize_fp8",
     "quantize_fp8",
+    "quantize_fp8_bands",
 ]
 
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
@@ -181,6 +188,30 @@ def quantize_fp8(
     return q, scale
 
 
+def quantize_fp8_bands(items: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], config: Fp8Config) -> None:
+    """:func:`quantize_fp8` of each ``(w, q, s)`` into ``q`` / ``s`` ('channel' or 'block' scales).
+
+    On CUDA with Triton the weights the fused kernel takes go through one grouped launch per kernel
+    shape (:func:`~weight_sync.quant.fp8_grouped.quantize_fp8_grouped`, bitwise the same bytes);
+    the rest, and every weight elsewhere, one by one.
+    """
+    if config.granularity == "tensor":
+        raise ConfigError("per-tensor fp8 scales need the whole tensor: they cannot be quantized in bands")
+    rest = items
+    if items and items[0][0].is_cuda and triton_available() and fused_supported(config.granularity, config.block_size):
+        from weight_sync.quant.fp8_grouped import quantize_fp8_grouped
+
+        device = items[0][0].device
+        grouped = [it for it in items if it[0].numel() and it[0].stride(1) == 1 and it[0].device == device
+                   and it[1].is_contiguous() and it[2].is_contiguous()]
+        if grouped:
+            quantize_fp8_grouped(grouped, config.granularity, config.block_size, FP8_MAX, _EPS)
+            done = {id(it) for it in grouped}
+            rest = [it for it in items if id(it) not in done]
+    for w, q, s in rest:
+        write_band(q, s, quantize_fp8(w, config, None, out=(q, s)))
+
+
 def _tile_grid(n: int, k: int, block_size: tuple[int, int]) -> tuple[int, int]:
     """Shape of the 'block' scales of an (n, k) weight: [row tiles, column tiles]."""
     return -(-n // block_size[0]), -(-k // block_size[1])
@@ -212,6 +243,28 @@ class Fp8LinearMethod(OnlineQuantLinearMethod):
         out: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return quantize_fp8(weight, self.config, group, out)
+
+    def row_bands(self, layer: nn.Module, name: str, shape: tuple[int, ...]) -> RowBands | None:
+        if name != "weight" or self.config.granularity == "tensor" or len(shape) != 2:
+            return None
+        q, s = layer._parameters.get("weight"), layer._parameters.get("weight_scale")
+        scale_shape = (shape[0],) if self.config.granularity == "channel" else _tile_grid(*shape, self.config.block_size)
+        if (q is None or s is None or q.dtype != torch.float8_e4m3fn or tuple(q.shape) != shape
+                or not q.is_contiguous() or tuple(s.shape) != scale_shape or not s.is_contiguous()):
+            return None
+        return RowBands(align=self.config.block_size[0] if self.config.granularity == "block" else 1,
+                        target=self._band_target, quantize=self.quantize_bands)
+
+    def _band_target(self, layer: nn.Module, matrix: int, row: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        end = row + rows
+        q = layer._parameters["weight"].detach()[row:end]  # type: ignore[union-attr]
+        s = layer._parameters["weight_scale"].detach()  # type: ignore[union-attr]
+        bn = self.config.block_size[0]
+        return q, (s[row:end] if self.config.granularity == "channel" else s[row // bn : -(-end // bn)])
+
+    def quantize_bands(self, items: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+        """Quantize each (src, q, s) into its views (one grouped launch on CUDA)."""
+        quantize_fp8_bands(items, self.config)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         q, scale = layer_tensor(layer, "weight"), layer_tensor(layer, "weight_scale")

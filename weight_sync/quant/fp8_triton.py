@@ -22,12 +22,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import struct
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 __all__ = [
+    "FusedGeometry",
     "absmax_bits_fp8",
+    "fused_geometry",
     "fused_supported",
     "quantize_fp8_fused",
     "scale_cast_fp8",
@@ -220,25 +222,48 @@ def quantize_fp8_fused(w: torch.Tensor, granularity: str, block_size: tuple[int,
         raise ValueError(f"fused fp8 needs a non-empty 2-D weight with unit column stride and a supported "
                          f"granularity, got {granularity!r} {block_size} {tuple(w.shape)} {w.stride()}")
     n, k = w.shape
+    g = fused_geometry(n, k, granularity, block_size)
+    if g.per_row:
+        scale = out[1] if out[1] is not None else torch.empty(n, dtype=torch.float32, device=w.device)
+    else:
+        scale = out[1] if out[1] is not None else torch.empty(
+            (-(-n // g.group_rows), g.col_groups), dtype=torch.float32, device=w.device)
+    q = out[0] if out[0] is not None else torch.empty((n, k), dtype=torch.float8_e4m3fn, device=w.device)
+    with _launch_device(w):
+        _kernels()[1][(g.groups,)](w, q, scale, n, k, w.stride(0), q.stride(0), g.group_rows, g.group_cols,
+                                   g.col_groups, g.chunks, _f32_bits(eps), fmax, BM=g.bm, BK=g.bk,
+                                   PER_ROW=g.per_row, ONE_PASS=g.chunks == 1, num_warps=g.num_warps,
+                                   enable_fp_fusion=False)
+    return q, scale
+
+
+class FusedGeometry(NamedTuple):
+    """How the fused kernel splits an (n, k) weight: its scale groups and the program shape reading them."""
+
+    per_row: bool
+    group_rows: int
+    group_cols: int
+    col_groups: int
+    groups: int
+    bm: int
+    bk: int
+    chunks: int
+    num_warps: int
+
+
+@functools.lru_cache(maxsize=4096)
+def fused_geometry(n: int, k: int, granularity: str, block_size: tuple[int, int]) -> FusedGeometry:
+    """The fused kernel's split of an (n, k) weight (cached: a reload asks once per tensor)."""
     if granularity == "channel":  # a group is a band of bm rows, each with its own scale
         per_row, group_cols, col_groups = True, k, 1
         bk = min(_pow2(k), _ROW_STEP)
         bm = group_rows = max(1, min(_ROW_STEP // bk, _pow2(n)))
-        scale = out[1] if out[1] is not None else torch.empty(n, dtype=torch.float32, device=w.device)
     else:
         per_row, (group_rows, group_cols) = False, block_size
         bm, col_groups = _pow2(group_rows), -(-k // group_cols)
         bk = min(_pow2(group_cols), max(1, _BLOCK_STEP // bm))
-        scale = out[1] if out[1] is not None else torch.empty(
-            (-(-n // group_rows), col_groups), dtype=torch.float32, device=w.device)
-    q = out[0] if out[0] is not None else torch.empty((n, k), dtype=torch.float8_e4m3fn, device=w.device)
-    chunks = -(-group_cols // bk)
-    grid = (-(-n // group_rows) * col_groups,)
-    with _launch_device(w):
-        _kernels()[1][grid](w, q, scale, n, k, w.stride(0), q.stride(0), group_rows, group_cols, col_groups,
-                            chunks, _f32_bits(eps), fmax, BM=bm, BK=bk, PER_ROW=per_row, ONE_PASS=chunks == 1,
-                            num_warps=4 if per_row or bm * bk < _BLOCK_STEP else 8, enable_fp_fusion=False)
-    return q, scale
+    return FusedGeometry(per_row, group_rows, group_cols, col_groups, -(-n // group_rows) * col_groups, bm, bk,
+                         -(-group_cols // bk), 4 if per_row or bm * bk < _BLOCK_STEP else 8)
 
 
 def scale_cast_fp8(w: torch.Tensor, scale: torch.Tensor, granularity: str, block_size: tuple[int, int],

@@ -12,7 +12,7 @@ from torch import nn
 
 from weight_sync.errors import ConfigError
 from weight_sync.quant.base import layer_tensor
-from weight_sync.quant.online import OnlineQuantLinearMethod
+from weight_sync.quant.online import OnlineQuantLinearMethod, RowBands, write_band
 
 __all__ = ["Int8Config", "Int8LinearMethod", "dequantize_int8", "quantize_int8"]
 
@@ -59,6 +59,24 @@ class Int8LinearMethod(OnlineQuantLinearMethod):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return quantize_int8(weight)  # new tensors (``out`` is a hint; reload copies them back)
 
+    def row_bands(self, layer: nn.Module, name: str, shape: tuple[int, ...]) -> RowBands | None:
+        q, s = layer._parameters.get("weight"), layer._parameters.get("weight_scale")
+        if (name != "weight" or len(shape) != 2 or q is None or s is None or q.dtype != torch.int8
+                or tuple(q.shape) != shape or tuple(s.shape) != shape[:1]):
+            return None
+        return RowBands(align=1, target=_int8_band_target, quantize=_int8_bands)
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         q, scale = layer_tensor(layer, "weight"), layer_tensor(layer, "weight_scale")
         return F.linear(x, dequantize_int8(q, scale, x.dtype), bias)
+
+
+def _int8_band_target(layer: nn.Module, matrix: int, row: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    end = row + rows
+    return (layer._parameters["weight"].detach()[row:end],  # type: ignore[union-attr]
+            layer._parameters["weight_scale"].detach()[row:end])  # type: ignore[union-attr]
+
+
+def _int8_bands(items: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+    for w, q, s in items:
+        write_band(q, s, quantize_int8(w))

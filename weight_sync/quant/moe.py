@@ -33,8 +33,16 @@ from torch import nn
 
 from weight_sync.errors import ConfigError
 from weight_sync.quant.base import layer_tensor, make_weight_param
-from weight_sync.quant.fp8 import FP8_MAX, Fp8Config, _absmax, _scale, dequantize_fp8, quantize_fp8
-from weight_sync.quant.online import RELOAD_TARGETS, fitting_output, reduce_max
+from weight_sync.quant.fp8 import (
+    FP8_MAX,
+    Fp8Config,
+    _absmax,
+    _scale,
+    dequantize_fp8,
+    quantize_fp8,
+    quantize_fp8_bands,
+)
+from weight_sync.quant.online import RELOAD_TARGETS, RowBands, fitting_output, reduce_max
 from weight_sync.quant.registry import resolve_quantization
 
 __all__ = [
@@ -161,6 +169,31 @@ class Fp8FusedMoEMethod(FusedMoEMethod):
                     dq.copy_(q)
                 if s.data_ptr() != ds.data_ptr():
                     ds.copy_(s)
+
+    def row_bands(self, layer: nn.Module, name: str, shape: tuple[int, ...]) -> RowBands | None:
+        """Block scales: bands of an expert's rows (an expert's gate or up half of ``w13``, its ``w2``)
+        quantize on their own; a per-tensor scale per expert needs all of the expert's rows first."""
+        if self.config.granularity != "block" or name not in ("w13_weight", "w2_weight") or len(shape) != 3:
+            return None
+        stem = name.removesuffix("_weight")
+        scale_name = f"{stem}_{self.scale_name}"
+        q, s = layer._parameters.get(name), layer._parameters.get(scale_name)
+        bn, bk = self.config.block_size
+        grid = (shape[0], -(-shape[1] // bn), -(-shape[2] // bk))
+        if (q is None or s is None or q.dtype != torch.float8_e4m3fn or tuple(q.shape) != shape
+                or tuple(s.shape) != grid):
+            return None
+
+        def target(layer: nn.Module, matrix: int, row: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+            end = row + rows
+            return (layer._parameters[name].detach()[matrix, row:end],  # type: ignore[union-attr]
+                    layer._parameters[scale_name].detach()[matrix, row // bn : -(-end // bn)])  # type: ignore[union-attr]
+
+        return RowBands(align=bn, target=target, quantize=self.quantize_bands)
+
+    def quantize_bands(self, items: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+        """Quantize each expert band (src, q, s) into its views (one grouped launch on CUDA)."""
+        quantize_fp8_bands(items, self.config)
 
     def expert_weights(
         self, layer: nn.Module, expert: int, dtype: torch.dtype

@@ -12,6 +12,9 @@ identical on all ranks of an engine).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -22,7 +25,35 @@ from weight_sync.quant.base import LinearMethod, layer_tensor
 #: its processor, which may write its outputs straight into them (set only while the processor runs).
 RELOAD_TARGETS = "ws_reload_targets"
 
-__all__ = ["RELOAD_TARGETS", "OnlineQuantLinearMethod", "fitting_output"]
+__all__ = ["RELOAD_TARGETS", "OnlineQuantLinearMethod", "RowBands", "fitting_output", "write_band"]
+
+
+@dataclass(frozen=True, slots=True)
+class RowBands:
+    """How a method quantizes bands of rows of one model-format weight straight into the live kernel
+    tensors, each band with exactly the bytes and scales processing the whole weight gives it.
+
+    Offered only where every scale belongs to rows of one band (per-channel, 128x128 blocks): a band
+    that starts at a multiple of ``align`` rows of its matrix and ends at one (or at the matrix's last
+    row) then reads nothing outside itself. ``target(layer, matrix, row, rows)`` gives the live
+    (qweight rows, scale rows) of rows ``row..row+rows`` of matrix ``matrix`` (0 for a 2-D weight; the
+    expert for stacked ``[E, N, K]`` weights); ``quantize(items)`` quantizes each ``(src [rows, K],
+    q, s)`` into its views, as many at once as it is given (equal ``quantize`` callables may be batched
+    together). Used by reload (``weight_sync.reload.bands``) on reloads.
+    """
+
+    align: int
+    target: Callable[[nn.Module, int, int, int], tuple[torch.Tensor, torch.Tensor]]
+    quantize: Callable[[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]], None]
+
+
+def write_band(q: torch.Tensor, s: torch.Tensor, result: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """Copy a band's (qweight, scale) ``result`` into the live views ``q`` / ``s`` unless it was
+    computed in them."""
+    if result[0].data_ptr() != q.data_ptr():
+        q.copy_(result[0])
+    if result[1].data_ptr() != s.data_ptr():
+        s.copy_(result[1])
 
 
 class OnlineQuantLinearMethod(LinearMethod):
@@ -48,6 +79,11 @@ class OnlineQuantLinearMethod(LinearMethod):
         device and contiguity fit; otherwise new tensors are returned.
         """
         raise NotImplementedError
+
+    def row_bands(self, layer: nn.Module, name: str, shape: tuple[int, ...]) -> RowBands | None:
+        """Band quantization of model-format tensor ``name`` (of ``shape``) into ``layer``'s live kernel
+        tensors, or None where the method needs the whole tensor (e.g. one scale per tensor)."""
+        return None
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         w = layer_tensor(layer, "weight")

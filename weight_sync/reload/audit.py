@@ -19,6 +19,12 @@ whoever made it (processors, model loaders, hooks, the caller's own code between
 dict lookup per module and per tensor plus one signature per tensor, instead of re-scanning every
 module's attributes. When a check fails, the full walk runs and its verdict (and message) is the one
 raised, so a failure reads exactly as before.
+
+The next update's begin reuses the last committed update's baseline the same way (:func:`still_holds`):
+the indexed re-check plus, for every module, the sizes of its parameter, buffer, child and attribute
+dicts, so a tensor or module *added* since (which the baseline would not cover) makes it walk again. A
+walk and a re-check therefore agree on everything the attribute cache of ``graph_visible_tensors``
+itself relies on (an attribute replaced by a tensor under a dict of unchanged size is outside both).
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from torch import nn
 
 from weight_sync.layers.tensors import TensorSignature, graph_visible_tensors, verify_signatures
 
-__all__ = ["Baseline", "take_baseline", "verify_baseline"]
+__all__ = ["Baseline", "still_holds", "take_baseline", "verify_baseline"]
 
 _new_signature = tuple.__new__
 
@@ -44,6 +50,18 @@ class Baseline:
     edges: list[tuple[str, nn.Module, str, nn.Module]] = field(default_factory=list)
     # (qualified tensor name, module, attribute name, tensor) for every signature.
     places: list[tuple[str, nn.Module, str, torch.Tensor]] = field(default_factory=list)
+    # (module, its dict sizes) for every module the walk entered: what an addition would change.
+    sizes: list[tuple[nn.Module, tuple[int, int, int, int]]] = field(default_factory=list)
+
+    def release(self) -> None:
+        """Drop the references to modules and tensors (the signatures stay)."""
+        self.edges.clear()
+        self.places.clear()
+        self.sizes.clear()
+
+
+def _sizes(mod: nn.Module) -> tuple[int, int, int, int]:
+    return len(mod._parameters), len(mod._buffers), len(mod._modules), len(mod.__dict__)
 
 
 def take_baseline(model: nn.Module) -> Baseline:
@@ -51,7 +69,7 @@ def take_baseline(model: nn.Module) -> Baseline:
     names, same de-duplication of shared modules and tensors), plus the index the re-check needs."""
     sigs: dict[str, TensorSignature] = {}
     base = Baseline(sigs)
-    edges, places = base.edges, base.places
+    edges, places, sizes = base.edges, base.places, base.sizes
     seen_modules: set[int] = set()
     seen_tensors: set[int] = set()
     # Pre-order, children in registration order, each module once: the walk of ``_named_modules``.
@@ -61,6 +79,7 @@ def take_baseline(model: nn.Module) -> Baseline:
         if id(mod) in seen_modules:
             continue
         seen_modules.add(id(mod))
+        sizes.append((mod, _sizes(mod)))
         if parent is not None:
             edges.append((path, parent, attr, mod))
         prefix = f"{path}." if path else ""
@@ -99,6 +118,18 @@ def _unchanged(base: Baseline, skip: tuple[str, ...]) -> bool:
         if bound is not t or (t.data_ptr(), t.shape, t.dtype, t.stride(), t.device) != sigs[qual]:
             return False
     return True
+
+
+def still_holds(base: Baseline) -> bool:
+    """Whether ``base`` (a baseline kept from an earlier update) still describes the model exactly:
+    nothing moved, was rebound or changed layout, and no module gained or lost a parameter, buffer,
+    child or attribute. If so it can serve as this update's baseline without a walk."""
+    if not base.sizes:
+        return False  # released
+    for mod, n in base.sizes:
+        if _sizes(mod) != n:
+            return False
+    return _unchanged(base, ())
 
 
 def verify_baseline(model: nn.Module, base: Baseline, skip: tuple[str, ...] = ()) -> None:

@@ -96,6 +96,8 @@ class Plan:
     coverage: dict[str, frozenset[str]] = field(default_factory=dict)
     # Per layer, its units (see reload/units.py) or why it has none (computed on demand, cached).
     units: dict[str, Any] = field(default_factory=dict)
+    # Per layer, whether its keys' copies are aligned row bands (see reload/bands.py; on demand, cached).
+    bands: dict[str, bool] = field(default_factory=dict)
     # A key's single weight_loader call -> the key (None where two keys made the same call).
     loader_calls: dict[LoaderCall, str | None] = field(default_factory=dict)
 
@@ -106,6 +108,7 @@ class Plan:
                 self.layer_keys.get(layer, set()).discard(kp.name)
                 self.coverage.pop(layer, None)
                 self.units.pop(layer, None)
+                self.bands.pop(layer, None)
             for call in old.calls:
                 if self.loader_calls.get(call) == kp.name:
                     del self.loader_calls[call]
@@ -114,6 +117,7 @@ class Plan:
             self.layer_keys.setdefault(layer, set()).add(kp.name)
             self.coverage.pop(layer, None)
             self.units.pop(layer, None)
+            self.bands.pop(layer, None)
         if len(kp.calls) == 1:
             call = kp.calls[0]
             self.loader_calls[call] = kp.name if self.loader_calls.get(call, kp.name) == kp.name else None

@@ -23,7 +23,9 @@ class UpdateReport:
     ``layers_direct`` were written straight into live storage; ``layers_processed`` were buffered in
     model format, processed (e.g. quantized) and copied into their kernel tensors; of those,
     ``layers_per_unit`` completed and were processed one unit (expert) at a time, straight into their
-    kernel tensors (``units_processed`` units in all), and the rest as whole layers.
+    kernel tensors (``units_processed`` units in all); ``layers_banded`` were quantized key by key
+    straight into their kernel tensors, with no staging (``weight_sync.reload.bands``); the rest were
+    processed as whole layers.
     ``per_unit_fallbacks`` names the layers that offer per-unit processing but took the layer path in
     this update, with why (e.g. the first load). ``keys_replayed`` went
     through recorded copies, ``keys_via_loader`` through the real loader (plan fallback).
@@ -48,6 +50,7 @@ class UpdateReport:
     layers_per_unit: tuple[str, ...] = ()
     units_processed: int = 0
     per_unit_fallbacks: dict[str, str] = field(default_factory=dict)
+    layers_banded: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as a dict (what ``dataclasses.asdict`` gives, without its deep copy of every name)."""
@@ -61,7 +64,7 @@ class UpdateReport:
         return (
             f"version={self.version} tensors={self.num_tensors} MB={self.num_bytes / 1e6:.1f} "
             f"direct={len(self.layers_direct)} processed={len(self.layers_processed)} "
-            f"per_unit={len(self.layers_per_unit)} "
+            f"per_unit={len(self.layers_per_unit)} banded={len(self.layers_banded)} "
             f"peak_buffered_MB={self.peak_buffered_bytes / 1e6:.1f} "
             f"total_s={self.seconds.get('total', 0.0):.3f}"
         )

@@ -37,7 +37,9 @@ from weight_sync.errors import (
 )
 from weight_sync.layers.tensors import signatures
 from weight_sync.manifest import Manifest, TensorMeta
-from weight_sync.reload.audit import take_baseline, verify_baseline
+from weight_sync.quant.online import RowBands
+from weight_sync.reload.audit import Baseline, still_holds, take_baseline, verify_baseline
+from weight_sync.reload.bands import band_target, layer_bands
 from weight_sync.reload.borrow import lend_batch, lend_single, lenders
 from weight_sync.reload.plan import CopyOp, KeyPlan, Plan
 from weight_sync.reload.processing import Lend, OpenLayer, storage_uses
@@ -53,6 +55,7 @@ from weight_sync.reload.validation import (
     plan_missing,
     rewritten_layers,
 )
+from weight_sync.reload.writes import WriteQueue
 
 __all__ = ["UpdateSession"]
 
@@ -110,6 +113,13 @@ class UpdateSession(UnitLayers):
         self._processed_done: list[str] = []
         self._first_processed: list[LayerInfo] = []
         self._init_units()
+        # Layers quantized band by band this update (reload/bands.py), and the verdict for each layer asked.
+        self._banded: dict[str, dict[str, RowBands]] = {}
+        self._band_layers: dict[str, dict[str, RowBands] | None] = {}
+        if state.write_queue is None:
+            state.write_queue = WriteQueue()
+        self._writes: WriteQueue = state.write_queue
+        self._writes.drop()  # nothing of an earlier update may be left (it would have been flushed)
         self._buffered = 0
         self._peak = 0
         self._host_held = 0
@@ -126,6 +136,7 @@ class UpdateSession(UnitLayers):
         self._ignored: list[str] = []
         self._seconds = {"plan": 0.0, "load": 0.0, "process": 0.0, "copy_back": 0.0}
         self._t0 = t0
+        self._keep_baseline = False
         self._host = torch.device("cpu")
         # Layers that may borrow (computed at the first list or tuple passed to load), and the borrowing
         # decided for the current load call, by layer.
@@ -140,8 +151,15 @@ class UpdateSession(UnitLayers):
         else:
             self.expected = frozenset(state.reference.names) if state.reference is not None else None
             self._announced = None
-        # The audit's baseline: the one walk of the model per update (finish re-checks it by index).
-        self._baseline = take_baseline(model)
+        # The audit's baseline: the last committed update's when it still holds (an indexed re-check),
+        # else one walk of the model; finish re-checks it by index.
+        kept = state.last_baseline
+        state.last_baseline = None  # owned by this session now; a commit hands one back
+        if kept is not None and still_holds(kept):
+            self._baseline = kept
+        else:
+            self._baseline = take_baseline(model)
+            _check_layers_recorded(state, self._baseline)
         self._before = self._baseline.signatures
         if state.last_signatures != self._before:
             state.views.clear()  # something moved since the last update: cached views may be stale
@@ -179,13 +197,17 @@ class UpdateSession(UnitLayers):
             # materialized: it could hold a whole model): find layers it can lend its memory to.
             if type(named_tensors) in (list, tuple):
                 if not self._lenders_known:
-                    self._lenders, self._lenders_known = lenders(self), True
+                    # Banded layers need no staging at all, borrowed or not.
+                    self._lenders = {n for n in lenders(self) if self._bands_of(self.state.layers[n]) is None}
+                    self._lenders_known = True
                 if self._lenders:
                     self._lend = lend_batch(self, named_tensors)  # type: ignore[arg-type]
             for name, tensor in named_tensors:
                 self._load_one(name, tensor)
+            self._writes.flush()  # before returning: the caller may reuse its tensors
             self._seconds["load"] += time.perf_counter() - t0
         except BaseException as e:
+            self._writes.drop()
             self._fail(e)
             raise
         finally:
@@ -226,8 +248,8 @@ class UpdateSession(UnitLayers):
             for layer in kp.layers:
                 if layer not in self._touched:
                     self._prepare(layer)
-            for dst, op in views:
-                dst.copy_(tensor if op.src_whole else _src_view(op, tensor))
+            for write, op in views:
+                write(tensor if op.src_whole else _src_view(op, tensor))
             self._replayed += 1
             return
         kp = self.plan.keys.get(name) or self._key_plan(name, tensor)
@@ -254,7 +276,8 @@ class UpdateSession(UnitLayers):
         if kp.mode == "ignored":
             self._ignored.append(name)
             return
-        if len(kp.ops) == 1 and kp.ops[0].layer not in self._lend:
+        if (len(kp.ops) == 1 and kp.ops[0].layer not in self._lend
+                and self._bands_of(self.state.layers[kp.ops[0].layer]) is None):
             single = lend_single(self, name, tensor, kp)
             if single is not None:
                 self._lend[kp.ops[0].layer] = single
@@ -286,9 +309,16 @@ class UpdateSession(UnitLayers):
         if not src.is_contiguous() and not all(op.src_whole for op in kp.ops):
             src = src.contiguous()
         direct = src is tensor  # only views of live tensors, replayed from the caller's tensor as it is
-        views = []
+        views: list[tuple[Callable[..., Any], CopyOp]] = []
         for op in kp.ops:
             if layer is not None and op.layer != layer:
+                continue
+            bands = self._banded.get(op.layer) if self._banded else None
+            band = bands.get(op.tensor) if bands is not None else None
+            if band is not None:
+                write = self._writes.band_writer(band, *band_target(self.state.layers[op.layer], band, op))
+                write(src if op.src_whole else _src_view(op, src))
+                views.append((write, op))
                 continue
             ou = self._unit_open.get(op.layer) if self._unit_open else None
             if ou is not None:
@@ -303,8 +333,11 @@ class UpdateSession(UnitLayers):
                 dst = base
             else:
                 dst = base.as_strided(op.dst_size, op.dst_stride, base.storage_offset() + op.dst_offset)
-            dst.copy_(src if op.src_whole else _src_view(op, src))
-            views.append((dst, op))
+            # Staging is read by its layer's processing within this call: written at once. Live storage
+            # is read by nothing before the update ends: small copies wait for one grouped launch.
+            copy: Callable[..., Any] = self._writes.copier(dst) if direct else dst.copy_
+            copy(src if op.src_whole else _src_view(op, src))
+            views.append((copy, op))
         return views, direct
 
     def _check_lent(self, ol: OpenLayer) -> None:
@@ -359,8 +392,10 @@ class UpdateSession(UnitLayers):
         assert t is not None  # the plan only records tensors the layer owns
         return t.detach(), False
 
-    def _prepare(self, layer: str) -> None:
-        """Make ``layer`` ready to receive data: snapshot (rollback) a direct layer, open a processed one."""
+    def _prepare(self, layer: str, *, bands: bool = True) -> None:
+        """Make ``layer`` ready to receive data: snapshot (rollback) a direct layer, open a processed one
+        (``bands=False``: staged even where its keys could be quantized band by band - a caller writing
+        arbitrary regions of model-format tensors)."""
         if layer in self._open or layer in self._touched or layer in self._unit_open:
             return
         info = self.state.layers[layer]
@@ -368,9 +403,30 @@ class UpdateSession(UnitLayers):
             self._snapshot(info)
             self._touched.add(layer)
             return
+        banded = self._bands_of(info) if bands else None
+        if banded is not None:
+            # Quantized key by key into the live tensors (reload/bands.py): they change from the first
+            # key on, as a direct layer's do.
+            self._snapshot(info)
+            self._touched.add(layer)
+            self._banded[layer] = banded
+            self._processed_done.append(layer)
+            if self._lend:
+                self._lend.pop(layer, None)
+            return
         if info.unit_processor is not None and self._open_units(info):
             return
         self._open_processed(info, self._lend.pop(layer, None) if self._lend else None)
+
+    def _bands_of(self, info: LayerInfo) -> dict[str, RowBands] | None:
+        """``info``'s band quantizers if it takes the band path in this update (decided once per update)."""
+        if info.direct:
+            return None
+        try:
+            return self._band_layers[info.name]
+        except KeyError:
+            bands = self._band_layers[info.name] = layer_bands(self.plan, info)
+            return bands
 
     def _require_open(self) -> None:
         if self._status != "open":
@@ -418,6 +474,14 @@ class UpdateSession(UnitLayers):
                         tuple(sorted(ol.remaining)),
                     )
             self._check_units_complete()
+            for layer in self._banded:
+                lacking = self.plan.layer_keys.get(layer, set()) - self._arrived
+                if lacking:
+                    raise IncompleteUpdateError(
+                        f"layer {layer} needs processing and so needs all of its tensors; "
+                        f"missing {name_list(lacking)}",
+                        tuple(sorted(lacking)),
+                    )
             t0 = time.perf_counter()
             for hook in self.state.post_update_hooks:
                 hook(self.model)
@@ -458,7 +522,11 @@ class UpdateSession(UnitLayers):
         partial = bool(missing) or bool(self._lacking_from_reference())
         for info in self._first_processed:
             info.processed = True
-        self.state.last_signatures = signatures(self.model) if self._first_processed else self._before
+        if self._first_processed:  # new kernel tensors by design: the next update needs a fresh walk
+            self.state.last_signatures = signatures(self.model)
+        else:
+            self.state.last_signatures = self._before
+            self._keep_baseline = True
         self.state.mend(self._rewritten(self.state.torn_layers))
         self.state.last_abort = None
         self._close("finished")
@@ -491,6 +559,7 @@ class UpdateSession(UnitLayers):
             )),
             layers_processed=tuple(self._processed_done),
             layers_per_unit=tuple(self._per_unit),
+            layers_banded=tuple(self._banded),
             units_processed=self._num_units,
             per_unit_fallbacks=dict(self._unit_fallbacks),
             keys_replayed=self._replayed,
@@ -539,8 +608,10 @@ class UpdateSession(UnitLayers):
         """End the session as ``status``: the model is free for the next update; close callbacks run."""
         self._status = status
         self.state.active = None
-        self._baseline.edges.clear()  # it references the tensors replaced by first processing: let them go
-        self._baseline.places.clear()
+        if self._keep_baseline:  # verified at this commit: the next begin re-checks it instead of walking
+            self.state.last_baseline = self._baseline
+        else:  # it may reference tensors replaced by first processing (or an aborted update): let them go
+            self._baseline.release()
         self._report_buffering()
         callbacks, self._on_close = self._on_close, []
         for fn in callbacks:
@@ -589,6 +660,21 @@ class UpdateSession(UnitLayers):
     def status(self) -> str:
         """'open', 'finished' or 'aborted'."""
         return self._status
+
+
+def _check_layers_recorded(state: ModelState, base: Baseline) -> None:
+    """Refuse an update of a model whose recorded layers were replaced since they were recorded: reload
+    writes into the recorded modules, so the replacement would silently keep its own weights."""
+    at = {path: child for path, _, _, child in base.edges}
+    for name, info in state.layers.items():
+        now = at.get(name) if name else info.module
+        if now is not info.module:
+            found = "nothing" if now is None else f"another {type(now).__name__}"
+            raise UpdateStateError(
+                f"layer {name!r}: expected the {type(info.module).__name__} recorded by "
+                f"record_metadata_for_reloading, found {found} there; a replaced layer cannot be "
+                "updated in place (record a newly built model instead)"
+            )
 
 
 def _model_device(model: nn.Module) -> torch.device:

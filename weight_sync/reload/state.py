@@ -120,6 +120,11 @@ class ModelState:
     # signatures taken at the end of the last update still hold.
     views: dict[str, Any] = field(default_factory=dict)
     last_signatures: dict[str, Any] = field(default_factory=dict)
+    # The pointer-audit baseline the last committed update verified (reload/audit.py), re-checked
+    # instead of walking the model again at the next begin; None after a first processing or an abort.
+    last_baseline: Any = None
+    # Small copies and band quantizations queued within one load call (reload/writes.py).
+    write_queue: Any = None
     # Validation is repeated only when an update announces something else (see UpdateSession).
     accepted: AcceptedManifest | None = None
 

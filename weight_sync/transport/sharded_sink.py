@@ -102,7 +102,9 @@ class RegionSink:
         if layer not in s.state.layers:
             raise LayoutMismatchError(f"[engine rank {self.rank}] {name}: the plan writes into {param}, and "
                                       f"the model has no layer {layer!r}")
-        s._prepare(layer)  # snapshot (rollback) a direct layer, open a processed one's staging
+        # Snapshot (rollback) a direct layer, open a processed one's staging - never the band path: a region
+        # is any box of a model-format tensor, not a whole-row band.
+        s._prepare(layer, bands=False)
         ou = s._unit_open.get(layer) if s._unit_open else None
         if ou is not None:
             s._write_unit(ou, name, op, src)

@@ -1,0 +1,142 @@
+"""Many fp8 quantizations in one launch: the fused kernel over a table of weights.
+
+A reload quantizing key by key (``weight_sync.reload.bands``) asks for hundreds of small quantizations
+per bucket - every expert's gate, up and down slice of a MoE model, every q/k/v/o of a dense one - and
+each launch of :func:`~weight_sync.quant.fp8_triton.quantize_fp8_fused` costs tens of microseconds of
+host time in Triton's dispatcher, more than the kernel itself for an expert's slice. Here the weights of
+one call are described in one int64 table (pointers, sizes, strides, scale groups) copied to the device
+once, and one program per (scale group, weight) runs the fused kernel's body on the weight it reads from
+the table: the same arithmetic on the same groups, bitwise the same bytes, one launch per kernel shape.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from weight_sync.quant.fp8_triton import _f32_bits, _launch_device, fused_geometry
+
+__all__ = ["quantize_fp8_grouped"]
+
+
+
+@functools.cache
+def _kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def fused_grouped(desc_ptr, w0, q0, s0, eps_bits, fmax, BM: tl.constexpr, BK: tl.constexpr,
+                      PER_ROW: tl.constexpr, ONE_PASS: tl.constexpr, ALIGNED: tl.constexpr):
+        # Program (pid, b): scale group pid of weight b, as program pid of `fused` (fp8_triton.py) for
+        # that weight alone; w0/q0/s0 (the first weight's tensors) only give the element types.
+        b = tl.program_id(1)
+        pid = tl.program_id(0)
+        d = desc_ptr + b * 12
+        if pid >= tl.load(d + 11):
+            return
+        w_ptr = tl.load(d).to(tl.pointer_type(w0.dtype.element_ty))
+        q_ptr = tl.load(d + 1).to(tl.pointer_type(q0.dtype.element_ty))
+        s_ptr = tl.load(d + 2).to(tl.pointer_type(s0.dtype.element_ty))
+        n = tl.load(d + 3)
+        k = tl.load(d + 4)
+        stride_w = tl.load(d + 5)
+        stride_q = tl.load(d + 6)
+        group_rows = tl.load(d + 7)
+        group_cols = tl.load(d + 8)
+        col_groups = tl.load(d + 9)
+        chunks = tl.load(d + 10)
+        if ALIGNED:
+            # What Triton infers for a weight passed as an argument (16-byte aligned pointers, sizes and
+            # strides multiple of 16): without it no load or store is vectorized (~4x slower per byte).
+            w_ptr = tl.multiple_of(w_ptr, 16)
+            q_ptr = tl.multiple_of(q_ptr, 16)
+            stride_w = tl.multiple_of(stride_w, 16)
+            stride_q = tl.multiple_of(stride_q, 16)
+            k = tl.multiple_of(k, 16)
+            group_cols = tl.multiple_of(group_cols, 16)
+        local = tl.arange(0, BM)
+        rows = (pid // col_groups) * group_rows + local
+        row_ok = (local < group_rows) & (rows < n)
+        col0 = (pid % col_groups) * group_cols
+        w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_w + col0
+        q_rows = q_ptr + rows[:, None].to(tl.int64) * stride_q + col0
+        if ONE_PASS:
+            cols = tl.arange(0, BK)
+            mask = row_ok[:, None] & ((cols < group_cols) & (col0 + cols < k))[None, :]
+            x = tl.load(w_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            bits = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
+        else:
+            bits = tl.zeros([BM], dtype=tl.int32)
+            for c in range(chunks):
+                cols = c * BK + tl.arange(0, BK)
+                mask = row_ok[:, None] & ((cols < group_cols) & (col0 + cols < k))[None, :]
+                x = tl.load(w_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                bits = tl.maximum(bits, tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1))
+        if not PER_ROW:
+            bits = tl.max(bits, axis=0)
+        s = tl.math.div_rn(tl.maximum(bits, eps_bits).to(tl.float32, bitcast=True), fmax)
+        if PER_ROW:
+            tl.store(s_ptr + rows, s, mask=row_ok)
+            s = s[:, None]
+        else:
+            tl.store(s_ptr + pid, s)
+        if ONE_PASS:
+            x = tl.clamp(tl.math.div_rn(x, s), -fmax, fmax, propagate_nan=tl.PropagateNan.ALL)
+            tl.store(q_rows + cols[None, :], x.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+        else:
+            for c in range(chunks):
+                cols = c * BK + tl.arange(0, BK)
+                mask = row_ok[:, None] & ((cols < group_cols) & (col0 + cols < k))[None, :]
+                x = tl.load(w_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                x = tl.clamp(tl.math.div_rn(x, s), -fmax, fmax, propagate_nan=tl.PropagateNan.ALL)
+                tl.store(q_rows + cols[None, :], x.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"),
+                         mask=mask)
+
+    return fused_grouped
+
+
+def quantize_fp8_grouped(
+    items: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    granularity: str,
+    block_size: tuple[int, int],
+    fmax: float,
+    eps: float,
+) -> None:
+    """Quantize every ``(w, q, s)``: ``w`` into the fp8 ``q`` and its fp32 scales ``s``, as
+    :func:`~weight_sync.quant.fp8_triton.quantize_fp8_fused` would one by one, in one launch per kernel
+    shape. Each ``w`` is non-empty, 2-D with unit column stride; ``q`` and ``s`` contiguous with the
+    fused kernel's output shapes; all on one device. The inputs must stay alive
+    until the launch is enqueued (they are, while this runs: the table holds raw pointers)."""
+    if not items:
+        return
+    groups: dict[tuple, list[int]] = {}
+    first: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+    for item in items:
+        w, q, s = item
+        n, k = w.shape
+        g = fused_geometry(n, k, granularity, block_size)
+        # One launch per kernel shape and source dtype (the table's pointers are typed by the first).
+        aligned = (w.data_ptr() % 16 == 0 and q.data_ptr() % 16 == 0 and w.stride(0) % 16 == 0
+                   and q.stride(0) % 16 == 0 and k % 16 == 0 and g.group_cols % 16 == 0)
+        key = (g.bm, g.bk, g.per_row, g.chunks == 1, g.num_warps, w.dtype, aligned)
+        first.setdefault(key, item)
+        groups.setdefault(key, []).extend((w.data_ptr(), q.data_ptr(), s.data_ptr(), n, k, w.stride(0),
+                                           q.stride(0), g.group_rows, g.group_cols, g.col_groups, g.chunks,
+                                           g.groups))
+    kernel = _kernel()
+    eps_bits = _f32_bits(eps)
+    device = items[0][0].device
+    with _launch_device(items[0][0]):
+        for key, rows in groups.items():
+            bm, bk, per_row, one_pass, warps, _, aligned = key
+            w0, q0, s0 = first[key]
+            table = torch.tensor(rows, dtype=torch.int64)
+            if w0.is_cuda:
+                table = table.pin_memory().to(device, non_blocking=True)
+            count, most = len(rows) // 12, max(rows[11::12])
+            kernel[(most, count)](table, w0, q0, s0, eps_bits, fmax, BM=bm, BK=bk, PER_ROW=per_row,
+                                  ONE_PASS=one_pass, ALIGNED=aligned, num_warps=warps, enable_fp_fusion=False)
