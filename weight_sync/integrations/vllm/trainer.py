@@ -35,10 +35,11 @@ from vllm.distributed.weight_transfer.base import (
     WeightSource,
 )
 
-from weight_sync.errors import ConfigError
+from weight_sync.errors import ConfigError, TransportError
 from weight_sync.integrations.vllm.clients import run_phase
 from weight_sync.manifest import Manifest, TensorMeta, dtype_to_str
 from weight_sync.transport import TransferReport, TransportConfig, WeightSender
+from weight_sync.transport.delta_sync import DeltaSender
 
 __all__ = ["WeightSyncTrainerEngine", "WeightSyncTrainerInitInfo", "register_trainer_engine"]
 
@@ -58,6 +59,10 @@ class WeightSyncTrainerInitInfo(TrainerInitInfo):
     checks them). packed: accepted for vLLM's signature; weight_sync's wire is always bucketed.
     timeout_s: bound on every blocking wait of the transport. checksum / zero_copy: as
     :class:`~weight_sync.transport.TransportConfig`. rank_offset: rank of the engine's first worker.
+    delta / delta_base: delta sync (``TransportConfig(delta=True)``): from the second update on,
+    ``send_weights`` ships each tensor's exact byte changes against the version every worker committed;
+    the start header carries the base (vLLM's ``update_info`` stays empty for a delta), and a worker
+    that does not hold that base refuses before any write, after which the same weights go in full.
     """
 
     backend: ClassVar[str] = BACKEND
@@ -73,6 +78,8 @@ class WeightSyncTrainerInitInfo(TrainerInitInfo):
     checksum: bool = True
     zero_copy: bool = False
     rank_offset: int = 1
+    delta: bool = False
+    delta_base: str = "pinned"
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 2:
@@ -89,11 +96,13 @@ class WeightSyncTrainerInitInfo(TrainerInitInfo):
             backend=self.transport, bucket_bytes=self.packed_buffer_size_bytes,
             num_buffers=self.packed_num_buffers, timeout_s=self.timeout_s, host=self.master_address,
             port=self.master_port, checksum=self.checksum and not self.zero_copy, zero_copy=self.zero_copy,
+            delta=self.delta, delta_base=self.delta_base,
         )
 
 
 class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitInfo]):
-    """vLLM's trainer engine over a weight_sync sender: full resyncs of a ``WeightSource``.
+    """vLLM's trainer engine over a weight_sync sender: full resyncs of a ``WeightSource``, or deltas
+    (``WeightSyncTrainerInitInfo(delta=True)``).
 
     ``send_weights()`` is one update: the source's ``metadata()`` becomes the manifest (validated by every
     worker before any write), its iteration the data (checked against the manifest as it is sent), and
@@ -112,6 +121,8 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         self.num_updates = 0
         self.last_report: TransferReport | None = None
         self._rpc_timeout_s = 2 * (init_info.timeout_s if init_info is not None else 120.0)
+        # Delta sync: the base (what every worker last committed), driven phase by phase here.
+        self.delta: DeltaSender | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-sync-engine-rpc")
 
     @classmethod
@@ -122,8 +133,11 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         engine = cls(client=client, source=source, is_sender=init_info.is_sender, init_info=init_info)
         if not engine.is_sender:
             return engine
-        sender = WeightSender(init_info.transport_config(), num_receivers=init_info.world_size - 1)
+        config = init_info.transport_config()
+        sender = WeightSender(config, num_receivers=init_info.world_size - 1)
         engine.sender = sender
+        if config.delta:
+            engine.delta = DeltaSender(base=config.delta_base, chunk_elems=config.delta_chunk_elems)
         worker_info = {
             "address": sender.address, "rank_offset": init_info.rank_offset, "world_size": init_info.world_size,
             "packed": init_info.packed, "packed_buffer_size_bytes": init_info.packed_buffer_size_bytes,
@@ -161,6 +175,9 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
             "shapes": [list(m.shape) for m in meta],
         }
         client = self.client
+        if self.delta is not None:
+            self.last_report = self._send_delta(source, manifest, version, update_info, weight_version)
+            return
         self._phase("start_weight_update", client.start_weight_update,
                     lambda: sender.start_weight_update(manifest, version))
         self._phase("update_weights", lambda: client.update_weights(update_info),
@@ -168,6 +185,28 @@ class WeightSyncTrainerEngine(TrainerWeightTransferEngine[WeightSyncTrainerInitI
         self.last_report = self._phase("finish_weight_update",
                                        lambda: client.finish_weight_update(weight_version),
                                        sender.finish_weight_update)
+
+    def _send_delta(self, source: WeightSource, manifest: Manifest, version: int, update_info: dict[str, Any],
+                    weight_version: str | None) -> TransferReport:
+        """One update with delta sync over vLLM's three calls: encoded before start (the header names the
+        base and the encoded sizes), sent in full when the workers refuse the base or there is none."""
+        assert self.sender is not None and self.delta is not None
+        sender, delta, client = self.sender, self.delta, self.client
+        update = delta.begin(iter(source), manifest, version)
+        try:
+            self._phase("start_weight_update", client.start_weight_update,
+                        lambda: sender.start_weight_update(manifest, version, delta=update.info))
+        except TransportError as e:
+            # vLLM ends its session when its start raises: the full update's start is a new one.
+            update = delta.refused(update, e)
+            self._phase("start_weight_update", client.start_weight_update,
+                        lambda: sender.start_weight_update(manifest, version, delta=update.info))
+        # A delta's tensors travel as encodings: the description of the model's tensors stays out.
+        info = {} if update.info.get("mode") == "delta" else update_info
+        self._phase("update_weights", lambda: client.update_weights(info), lambda: sender.update_weights(update.items()))
+        report = self._phase("finish_weight_update", lambda: client.finish_weight_update(weight_version),
+                             sender.finish_weight_update)
+        return delta.committed(update, report)
 
     def shutdown(self) -> None:
         if self.sender is not None:
