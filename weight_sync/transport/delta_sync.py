@@ -8,25 +8,28 @@ against the version the engines last committed (``transport/delta.py``) whenever
   (``delta_base="device"``) or in host memory (``"pinned"``: page-locked when CUDA is available). Cost:
   one copy of the sent weights (the wire dtype, e.g. bf16). A full update records the base as it
   streams; a delta update first encodes every tensor (the manifest must carry encoded sizes before any
-  data), then sends, and on commit applies its own encodings to the base.
+  data), moving the base to the new bytes as it goes, and the base is a committed version again only
+  when every engine commits. ``send()`` drives one update; :meth:`DeltaSender.begin`,
+  :meth:`~DeltaSender.refused` and :meth:`~DeltaSender.committed` are its phases for callers that
+  drive start / update / finish themselves (vLLM's trainer engine).
 - **Manifest**: the start header carries ``delta``: ``mode`` ('full': record the base; 'delta'),
   ``base_version``, ``base_fingerprints`` (by receiver rank) and ``wire`` (encoded bytes per tensor).
   The model manifest is the ordinary one (validated against the plan as usual); the buckets carry the
   encodings, one uint8 tensor per tensor, so bucket layout, trailers and checksums are unchanged.
-- **Receiver** (:class:`ReceiverDeltaBase`): keeps a checkpoint-format host copy of every tensor of
-  the last committed update (cost: one copy of the sent weights in host memory per engine rank).
-  Before any write, a delta is checked against it: the base version must equal the engine's committed
-  version and the base fingerprint its fingerprint, else the start is refused with
-  :class:`~weight_sync.errors.DeltaBaseError` on every rank (the engine untouched), and the sender
-  falls back to a full update of the same weights on its own (rebuilt tensor by tensor from its base
-  and the encodings). A delta is decoded into the host copy and the full tensor goes through the
-  ordinary session: direct and processed layers, transactions, rollback and torn rules, fingerprints
-  are exactly those of a full update. An update that fails after decoding anything drops the base (the
-  next delta is refused, so the fallback full update re-establishes it).
+- **Receiver** (:class:`ReceiverDeltaBase`, :class:`DeltaSession`): before any write, a delta is
+  checked against the engine's committed state: the base version must equal the engine's committed
+  version and the base fingerprint its fingerprint, and the base must cover every tensor, else the
+  start is refused with :class:`~weight_sync.errors.DeltaBaseError` on every rank (the engine
+  untouched), and the sender falls back to a full update of the same weights on its own. A delta's
+  keys are applied in place where the plan allows (``weight_sync.reload.delta_apply``: changed values
+  scattered into direct layers' live storage, quantized layers requantized only where the changes
+  reach, from model-format copies the engine keeps); the other keys are decoded into a
+  checkpoint-format host copy and loaded whole through the ordinary session. Transactions, rollback
+  and torn rules, the fingerprint are those of a full update. An update that fails after writing
+  anything drops the base (the next delta is refused, so the fallback full update re-establishes it).
 
-Limitations: ``send()`` only (the separate start/update/finish calls send full updates and drop the
-sender's base); not with zero-copy or disk; the engine still writes (and requantizes) every tensor of a
-delta - ``weight_sync.quant.delta`` (only the changed rows / tiles) is not wired into the session yet.
+Limitations: ``send()`` and vLLM's trainer engine only (separate start/update/finish calls send full
+updates and drop the sender's base); not with zero-copy or disk.
 """
 
 from __future__ import annotations
