@@ -1,0 +1,143 @@
+"""A delta applied in place (no transport: the engine's DeltaSession fed encodings directly) leaves every
+kernel tensor bitwise equal to a full reload of the same weights, and its fingerprint, computed from
+checksums moved by the changes, equals one read from the tensors; an abort with rollback restores
+exactly the written elements."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("hypothesis")  # the device machine runs GPU tests without it
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from trainers import CheckpointSource
+from weight_sync.engine import ReferenceEngine
+from weight_sync.layers.tensors import iter_graph_visible_tensors
+from weight_sync.manifest import Manifest
+from weight_sync.quant import QUANTIZATION_NAMES
+from weight_sync.reload.api import begin_update
+from weight_sync.transport.delta import encode_delta
+from weight_sync.transport.delta_sync import DeltaSession, ReceiverDeltaBase
+
+PATTERNS = ["empty", "one", "block", "dense", "all", "random"]
+QUANTIZATIONS = [None, *sorted(QUANTIZATION_NAMES)]
+_PAIRS: dict[Any, dict[str, Any]] = {}
+
+
+def _changed(t: torch.Tensor, pattern: str, g: torch.Generator) -> torch.Tensor:
+    t = t.clone()
+    flat = t.view(-1)
+    if pattern == "one":
+        flat[int(torch.randint(flat.numel(), (1,), generator=g))] += 0.5
+    elif pattern == "block" and t.dim() == 2:
+        r, c = (int(torch.randint(n, (1,), generator=g)) for n in t.shape)
+        t[r : r + 128, c : c + 128] += 0.01
+    elif pattern in ("dense", "all", "random"):
+        p = {"dense": 0.9, "all": 1.0, "random": 0.02}[pattern]
+        mask = torch.rand(t.shape, generator=g) < p
+        t[mask] += (torch.randn(t.shape, generator=g) * 0.05 + 1e-2).to(t.dtype)[mask]
+    return t
+
+
+def _pair(ckpt: Path, quantization: Any) -> dict[str, Any]:
+    """Two engines of one checkpoint, kept across examples: one takes deltas, one full reloads."""
+    if quantization not in _PAIRS:
+        spec = None if quantization is None else QUANTIZATION_NAMES[quantization]
+        weights = {n: t.to(torch.bfloat16) for n, t in CheckpointSource(ckpt)}
+        pair = {"delta": ReferenceEngine.from_checkpoint(ckpt, quantization=spec),
+                "full": ReferenceEngine.from_checkpoint(ckpt, quantization=spec),
+                "base": ReceiverDeltaBase(), "weights": weights, "version": 1}
+        first = DeltaSession(_session(pair["delta"], weights, 1), pair["base"], "full")  # records the base
+        first.load(list(weights.items()))
+        first.finish()
+        _PAIRS[quantization] = pair
+    return _PAIRS[quantization]
+
+
+def _session(engine: ReferenceEngine, weights: dict[str, torch.Tensor], version: int, rollback: bool = False) -> Any:
+    return begin_update(engine.model, Manifest.from_named_tensors(weights.items(), version=version),
+                        version=version, rollback=rollback)
+
+
+def _tensors(engine: ReferenceEngine) -> dict[str, torch.Tensor]:
+    return {n: t.detach().clone() for n, t in iter_graph_visible_tensors(engine.model) if t.device.type != "meta"}
+
+
+def _bits_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(
+        torch.equal(a[n].view(torch.uint8) if a[n].dtype.itemsize == 1 else a[n], b[n].view(torch.uint8)
+                    if b[n].dtype.itemsize == 1 else b[n]) for n in a
+    )
+
+
+@settings(max_examples=24, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(quantization=st.sampled_from(QUANTIZATIONS), pattern=st.sampled_from(PATTERNS),
+       which=st.sampled_from(["every tensor", "one tensor"]), seed=st.integers(0, 2**16))
+def test_a_delta_applied_in_place_equals_a_full_reload_bit_for_bit(
+    qwen3_a: Path, quantization: Any, pattern: str, which: str, seed: int
+) -> None:
+    pair = _pair(qwen3_a, quantization)
+    g = torch.Generator().manual_seed(seed)
+    old = pair["weights"]
+    names = list(old)
+    pick = {names[seed % len(names)]} if which == "one tensor" else set(names)
+    new = {n: _changed(t, pattern, g) if n in pick else t for n, t in old.items()}
+    pair["version"] += 1
+    v = pair["version"]
+
+    session = DeltaSession(_session(pair["delta"], new, v), pair["base"], "delta")
+    session.load([(n, encode_delta(new[n], old[n], chunk_elems=1024)) for n in names])
+    report = session.finish()
+    full = _session(pair["full"], new, v)
+    full.load(list(new.items()))
+    full.finish()
+    pair["weights"] = new
+
+    assert pair["base"].last_stats["in_place"] == len(names)  # no key rebuilt and loaded whole
+    assert _bits_equal(_tensors(pair["delta"]), _tensors(pair["full"]))
+    assert report.fingerprint == pair["delta"].fingerprint() == pair["full"].fingerprint()
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8_block", "fp8"])
+def test_an_aborted_delta_with_rollback_restores_exactly_the_engine_it_started_from(
+    qwen3_a: Path, quantization: Any
+) -> None:
+    pair = _pair(qwen3_a, quantization)
+    old = pair["weights"]
+    g = torch.Generator().manual_seed(7)
+    new = {n: _changed(t, "random", g) for n, t in old.items()}
+    before = _tensors(pair["delta"])
+    pair["version"] += 1
+    session = DeltaSession(_session(pair["delta"], new, pair["version"], rollback=True), pair["base"], "delta")
+    names = list(old)
+    session.load([(n, encode_delta(new[n], old[n], chunk_elems=1024)) for n in names[: len(names) // 2]])
+    session.abort("the trainer went away")
+    assert _bits_equal(_tensors(pair["delta"]), before)
+    # The base went with the abort: the next update must be full (a delta would be refused).
+    assert not pair["base"].valid
+    _PAIRS.pop(quantization)
+
+
+def test_an_aborted_delta_without_rollback_leaves_the_engine_torn_until_a_full_update(qwen3_a: Path) -> None:
+    from weight_sync.reload import torn_reason
+
+    pair = _pair(qwen3_a, "fp8_block")
+    old = pair["weights"]
+    new = {n: _changed(t, "random", torch.Generator().manual_seed(9)) for n, t in old.items()}
+    pair["version"] += 1
+    session = DeltaSession(_session(pair["delta"], new, pair["version"]), pair["base"], "delta")
+    names = list(old)
+    session.load([(n, encode_delta(new[n], old[n], chunk_elems=1024)) for n in names[:3]])
+    session.abort("the trainer went away")
+    assert torn_reason(pair["delta"].model) is not None
+    pair["version"] += 1
+    full = DeltaSession(_session(pair["delta"], new, pair["version"]), pair["base"], "full")
+    full.load(list(new.items()))
+    full.finish()
+    assert torn_reason(pair["delta"].model) is None
+    _PAIRS.pop("fp8_block")
