@@ -29,14 +29,17 @@ itself relies on (an attribute replaced by a tensor under a dict of unchanged si
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
+from weight_sync.errors import UpdateStateError
 from weight_sync.layers.tensors import TensorSignature, graph_visible_tensors, verify_signatures
 
-__all__ = ["Baseline", "still_holds", "take_baseline", "verify_baseline"]
+__all__ = ["Baseline", "check_layers_recorded", "still_holds", "take_baseline", "verify_baseline"]
 
 _new_signature = tuple.__new__
 
@@ -141,3 +144,18 @@ def verify_baseline(model: nn.Module, base: Baseline, skip: tuple[str, ...] = ()
     if skip:
         before = {k: v for k, v in before.items() if not k.startswith(skip)}
     verify_signatures(model, before)  # the full walk decides, and names what moved
+
+
+def check_layers_recorded(layers: Mapping[str, Any], base: Baseline) -> None:
+    """Refuse an update of a model whose recorded layers were replaced since they were recorded: reload
+    writes into the recorded modules, so the replacement would silently keep its own weights."""
+    at = {path: child for path, _, _, child in base.edges}
+    for name, info in layers.items():
+        now = at.get(name) if name else info.module
+        if now is not info.module:
+            found = "nothing" if now is None else f"another {type(now).__name__}"
+            raise UpdateStateError(
+                f"layer {name!r}: expected the {type(info.module).__name__} recorded by "
+                f"record_metadata_for_reloading, found {found} there; a replaced layer cannot be "
+                "updated in place (record a newly built model instead)"
+            )

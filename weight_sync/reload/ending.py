@@ -1,0 +1,266 @@
+"""The end of an update: completeness, prepare and commit (or abort), the report, the close.
+
+:class:`EndingSteps` holds these steps for :class:`~weight_sync.reload.session.UpdateSession`, which owns
+the state they read and write (declared in :class:`~weight_sync.reload.processing.ProcessedLayers`).
+``finish()`` is ``prepare()`` - every check that can fail, which aborts the session on failure -
+followed by ``commit()``, bookkeeping that cannot fail, so a transport can prepare every rank, agree in
+one exchange and only then commit.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from weight_sync.errors import IncompleteUpdateError, PointerChangedError, UpdateStateError
+from weight_sync.layers.tensors import signatures
+from weight_sync.manifest import Manifest, TensorMeta
+from weight_sync.quant.online import RowBands
+from weight_sync.reload.audit import Baseline, verify_baseline
+from weight_sync.reload.report import UpdateReport, fingerprint
+from weight_sync.reload.units import UnitLayers
+from weight_sync.reload.validation import lacking_from_reference, name_list, rewritten_layers
+
+__all__ = ["EndingSteps"]
+
+log = logging.getLogger("weight_sync.reload.session")
+
+
+class EndingSteps(UnitLayers):
+    """The ending steps of an update session (its state is declared in ProcessedLayers, set there)."""
+
+    _status: str
+    _arrived: set[str]
+    _prepared: tuple[list[str], str | None] | None
+    report: UpdateReport | None
+    allow_partial: bool
+    compute_fingerprint: bool
+    manifest: Manifest | None
+    _baseline: Baseline
+    _before: dict[str, Any]
+    _keep_baseline: bool
+    _banded: dict[str, dict[str, RowBands]]
+    _on_close: list[Callable[[], None]]
+    _num_bytes: int
+    _replayed: int
+    _via_loader: int
+    _ignored: list[str]
+    _t0: float
+
+    def _require_open(self) -> None:
+        if self._status != "open":
+            raise UpdateStateError(f"update {self.version!r} is already {self._status}")
+
+    def missing(self) -> list[str]:
+        """Expected keys that have not arrived yet (ignored keys excluded)."""
+        if self.expected is None:
+            return []
+        out = []
+        for n in self.expected - self._arrived:
+            kp = self.plan.keys.get(n)
+            if kp is None or kp.mode != "ignored":
+                out.append(n)
+        return sorted(out)
+
+    def finish(self) -> UpdateReport:
+        """Commit: check completeness, process what is pending, verify pointers, run hooks, report."""
+        self.prepare()
+        return self.commit()
+
+    def prepare(self) -> None:
+        """The part of :meth:`finish` that can fail: completeness, pending processing, hooks, pointer audit
+        (and the fingerprint). On failure the session is aborted; after success only :meth:`commit`
+        (bookkeeping that cannot fail) or :meth:`abort` remain, so ranks can agree before any commits."""
+        self._require_open()
+        if self._prepared is not None:
+            return
+        try:
+            missing = self.missing()
+            if missing and not self.allow_partial:
+                raise IncompleteUpdateError(
+                    f"update {self.version!r} finished with {len(missing)} expected tensor(s) missing: "
+                    f"{name_list(missing)}",
+                    tuple(missing),
+                )
+            for ol in list(self._open.values()):
+                if self.expected is None:
+                    with torch.no_grad():
+                        self._complete(ol)  # no key list known: every layer waited for the end
+                elif ol.remaining:
+                    raise IncompleteUpdateError(
+                        f"layer {ol.info.name} needs processing and so needs all of its tensors; "
+                        f"missing {name_list(ol.remaining)}",
+                        tuple(sorted(ol.remaining)),
+                    )
+            self._check_units_complete()
+            for layer in self._banded:
+                lacking = self.plan.layer_keys.get(layer, set()) - self._arrived
+                if lacking:
+                    raise IncompleteUpdateError(
+                        f"layer {layer} needs processing and so needs all of its tensors; "
+                        f"missing {name_list(lacking)}",
+                        tuple(sorted(lacking)),
+                    )
+            t0 = time.perf_counter()
+            for hook in self.state.post_update_hooks:
+                hook(self.model)
+            t1 = time.perf_counter()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            # Layers processed for the first time have new kernel tensors by design: not audited.
+            fresh = tuple(f"{i.name}." if i.name else "" for i in self._first_processed)
+            try:
+                verify_baseline(self.model, self._baseline, fresh)
+            except PointerChangedError:
+                self.state.views.clear()
+                raise
+            t2 = time.perf_counter()
+            fp = fingerprint(self.model) if self.compute_fingerprint else None
+        except BaseException as e:
+            self._fail(e)
+            raise
+        self._seconds["hooks"] = t1 - t0
+        self._seconds["verify"] = t2 - t1
+        self._prepared = (missing, fp)
+
+    def prepared_summary(self) -> dict[str, Any]:
+        """What a prepared update will report (version, fingerprint, tensors, bytes, peak staging, seconds)."""
+        assert self._prepared is not None
+        return {"version": self.version, "fingerprint": self._prepared[1], "num_tensors": len(self._arrived),
+                "num_bytes": self._num_bytes, "peak_buffered_bytes": self._peak,
+                "seconds": time.perf_counter() - self._t0}
+
+    def commit(self) -> UpdateReport:
+        """Make a prepared update the model's state and return its report."""
+        self._require_open()
+        if self._prepared is None:
+            raise UpdateStateError(f"update {self.version!r}: commit() needs a successful prepare() first")
+        missing, fp = self._prepared
+        # Partial means "not every tensor of the reference layout": a subset manifest that fully arrived
+        # is still partial, so it never becomes the reference and heals only the layers it rewrote.
+        partial = bool(missing) or bool(self._lacking_from_reference())
+        for info in self._first_processed:
+            info.processed = True
+        if self._first_processed:  # new kernel tensors by design: the next update needs a fresh walk
+            self.state.last_signatures = signatures(self.model)
+        else:
+            self.state.last_signatures = self._before
+            self._keep_baseline = True
+        self.state.mend(self._rewritten(self.state.torn_layers))
+        self.state.last_abort = None
+        self._close("finished")
+        if not partial:
+            if self.manifest is not None:
+                ref = self.state.reference
+                # Kept as the same object while updates announce the same tensors, so the validation
+                # verdict cached against it stays usable.
+                if ref is None or len(ref) != len(self.manifest) or any(
+                    r.name != m.name or r.dtype != m.dtype or r.shape != m.shape
+                    for r, m in zip(ref.tensors, self.manifest.tensors)
+                ):
+                    self.state.reference = Manifest(
+                        tuple(TensorMeta(m.name, m.dtype, m.shape) for m in self.manifest)
+                    )
+            elif self.state.reference is None:
+                self.state.reference = Manifest(
+                    tuple(TensorMeta(n, kp.dtype, kp.shape) for n, kp in self.plan.keys.items()
+                          if n in self._arrived)
+                )
+            self.state.version = self.version
+        self._seconds["total"] = time.perf_counter() - self._t0
+        processed = set(self._processed_done)
+        self.report = UpdateReport(
+            version=self.version,
+            num_tensors=len(self._arrived),
+            num_bytes=self._num_bytes,
+            layers_direct=tuple(sorted(
+                {layer for n in self._arrived for layer in self.plan.keys[n].layers} - processed
+            )),
+            layers_processed=tuple(self._processed_done),
+            layers_per_unit=tuple(self._per_unit),
+            layers_banded=tuple(self._banded),
+            units_processed=self._num_units,
+            per_unit_fallbacks=dict(self._unit_fallbacks),
+            keys_replayed=self._replayed,
+            keys_via_loader=self._via_loader,
+            keys_ignored=tuple(self._ignored),
+            peak_buffered_bytes=self._peak,
+            spilled_bytes=self._spilled,
+            budget_bytes=self.budget_bytes,
+            seconds=dict(self._seconds),
+            fingerprint=fp,
+            partial=partial,
+        )
+        return self.report
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._status == "open":
+            self.abort(reason=f"{type(exc).__name__}: {exc}")
+
+    def abort(self, reason: str = "aborted by the caller") -> None:
+        """Give up this update: roll back (if enabled) or mark the model torn if anything was written."""
+        if self._status != "open":
+            return
+        for ol in list(self._open.values()):
+            self._restore_objects(ol, keep_new_attrs=False)
+        self._open.clear()
+        self._reinstall_units()
+        unrestored = self._touched
+        if self.rollback:
+            with torch.no_grad():
+                for snaps in self._snapshots.values():
+                    for live, host in snaps:
+                        live.copy_(host)
+            for mod, initial, attrs in reversed(self._attr_snapshots):
+                for k in [k for k, v in vars(mod).items()
+                          if k not in initial and not isinstance(v, torch.Tensor)]:
+                    del mod.__dict__[k]
+                mod.__dict__.update(attrs)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            unrestored = self._touched - set(self._snapshots)
+        self.state.tear(unrestored, f"update {self.version!r} failed: {reason}")
+        self.state.last_abort = f"update {self.version!r} was aborted: {reason}"
+        self._close("aborted")
+
+    def _close(self, status: str) -> None:
+        """End the session as ``status``: the model is free for the next update; close callbacks run."""
+        self._status = status
+        self.state.active = None
+        if self._keep_baseline:  # verified at this commit: the next begin re-checks it instead of walking
+            self.state.last_baseline = self._baseline
+        else:  # it may reference tensors replaced by first processing (or an aborted update): let them go
+            self._baseline.release()
+        self._report_buffering()
+        callbacks, self._on_close = self._on_close, []
+        for fn in callbacks:
+            fn()
+
+    def on_close(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` once when this session ends, finished or aborted (e.g. to undo a routing shim)."""
+        self._require_open()
+        self._on_close.append(fn)
+
+    def _report_buffering(self) -> None:
+        """One warning per update whose stream was out of layer order, with the bytes really held."""
+        if not self._waited:
+            return
+        log.warning(
+            "update %r: weights arrived out of layer order: up to %d bytes of model-format staging were "
+            "held at once (%d bytes on the device, %d bytes in host memory; budget %d bytes) for "
+            "layers %s; send every tensor of a layer before the next layer's",
+            self.version, self._held_peak, self._peak, self._host_peak, self.budget_bytes,
+            name_list(self._waited),
+        )
+
+    def _lacking_from_reference(self) -> list[str]:
+        """Tensors of the reference layout this update did not bring (ignored keys excluded)."""
+        return lacking_from_reference(self.state, self.plan, self._arrived)
+
+    def _rewritten(self, layers: Iterable[str]) -> set[str]:
+        """Of ``layers``, those this update wrote whole (see :func:`.validation.rewritten_layers`)."""
+        return rewritten_layers(self.state, self.plan, self._arrived, layers)
