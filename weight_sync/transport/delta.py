@@ -282,7 +282,9 @@ def _parse(payload: torch.Tensor, numel: int, dtype: torch.dtype) -> _Parsed:
             f"delta payload must be a 1-D uint8 tensor of at least 16 bytes, got {tuple(payload.shape)} {payload.dtype}"
         )
     # The header and table are the only host reads: a few bytes per chunk.
-    magic, chunk_elems, num_chunks, item = (int(x) for x in payload[:16].cpu().view(torch.int32).tolist())
+    # Read through numpy: a handful of small-array operations per tensor, each far cheaper than
+    # torch's per-call overhead (this runs for every tensor of every delta).
+    magic, chunk_elems, num_chunks, item = payload[:16].cpu().numpy().view(np.int32).tolist()
     item_want = dtype.itemsize
     if magic != MAGIC or item != item_want or chunk_elems < 8 or num_chunks != -(-numel // chunk_elems):
         raise LayoutMismatchError(
@@ -293,16 +295,18 @@ def _parse(payload: torch.Tensor, numel: int, dtype: torch.dtype) -> _Parsed:
     table_bytes = num_chunks * 8
     if payload.numel() < pos + table_bytes:
         raise LayoutMismatchError(f"delta payload: {payload.numel()} bytes cannot hold a table of {num_chunks} chunks")
-    table = payload[pos : pos + table_bytes].cpu().view(torch.int32).view(num_chunks, 2).to(torch.int64)
+    table = payload[pos : pos + table_bytes].cpu().numpy().view(np.int32).reshape(num_chunks, 2).astype(np.int64)
     pos += _align8(table_bytes)
-    form, counts = table[:, 0], table[:, 1]
-    is_pl = form == FORM_PLAIN
-    n_bitmask = int((form == FORM_BITMASK).sum())
-    n_index_vals = int(counts[form == FORM_INDEX].sum())
-    n_sparse = int(counts[(form == FORM_BITMASK) | (form == FORM_INDEX)].sum())
+    form_np, counts_np = table[:, 0], table[:, 1]
+    is_pl = form_np == FORM_PLAIN
+    is_bm, is_ix = form_np == FORM_BITMASK, form_np == FORM_INDEX
+    n_bitmask = int(is_bm.sum())
+    n_index_vals = int(counts_np[is_ix].sum())
+    n_sparse = n_index_vals + int(counts_np[is_bm].sum())
     n_plain = int(is_pl.sum()) * chunk_elems
     if num_chunks and bool(is_pl[-1]):
         n_plain -= num_chunks * chunk_elems - numel  # the last chunk is short
+    form, counts = torch.from_numpy(np.ascontiguousarray(form_np)), torch.from_numpy(np.ascontiguousarray(counts_np))
     off_bytes = _offset_bytes(chunk_elems)
     lengths = (n_bitmask * (chunk_elems // 8), n_index_vals * off_bytes, n_sparse * item, n_plain * item)
     regions = []
