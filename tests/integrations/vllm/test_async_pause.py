@@ -261,3 +261,25 @@ def test_a_pause_or_resume_during_weight_syncs_hold_takes_effect_at_the_commit_n
         c = ws[name]
         assert c.spans == [("default", 0, BEFORE), ("5", BEFORE, MAX_TOKENS)]
         assert max(kept_kv.deficits(c.prompt_ids, c.tokens, BEFORE, kept=user_call == "keep")) <= LOGIT_TOLERANCE
+
+
+def test_a_reload_with_a_version_labels_the_tokens_after_it_unless_the_user_paused(engines, vllm_ckpts) -> None:
+    llm = engines["ws"]
+
+    def reload_v3(llm: Any) -> None:
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": str(vllm_ckpts["b"]), "version": 3})
+
+    try:
+        unpaused = run_schedule(llm, "relabel", reload_v3, mode=None)
+    finally:
+        _back_to_a(llm, vllm_ckpts["a"])
+    try:
+        # Under a pause the label is the user's to set (vLLM's update_weight_version), as on plain vLLM.
+        paused = run_schedule(llm, "nolabel", reload_v3, mode="keep", clear_cache=True)
+    finally:
+        _back_to_a(llm, vllm_ckpts["a"])
+    assert unpaused["p0"].spans == [("default", 0, BEFORE), ("3", BEFORE, MAX_TOKENS)]
+    assert unpaused["late"].spans == [("3", 0, MAX_TOKENS)]
+    assert paused["p0"].spans == [("default", 0, MAX_TOKENS)]
+    # The same weights served both runs' tokens after the update (both recomputed the prefix with B).
+    assert unpaused["p0"].tokens == paused["p0"].tokens
