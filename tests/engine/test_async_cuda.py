@@ -41,9 +41,14 @@ def test_a_commit_mid_generation_keeps_the_graph_and_continues_like_a_fresh_engi
     if placement == "device" or quant is None:
         # A host twin quantizes on the CPU, which may differ bitwise from the GPU's quantization.
         fresh = ReferenceEngine.from_checkpoint(qwen3_b, device="cuda", quantization=quant)
-        continued = fresh.generate([p + r.token_ids[:k] for p, r in zip(PROMPTS, got)], NEW - k)
-        assert [r.token_ids[k:] for r in got] == continued
         assert engine.fingerprint() == fresh.fingerprint()
+        if quant is None:
+            # Per-tensor fp8 quantizes activations with one dynamic scale over the whole (padded) batch
+            # (torch._scaled_mm), so its tokens depend on the batch's composition, as vLLM's do
+            # (docs/vllm.md): the recomputed prefill and a fresh engine's differ in padding. Equal kernel
+            # bytes are the claim for fp8; tokens are compared where the arithmetic is batch-invariant.
+            continued = fresh.generate([p + r.token_ids[:k] for p, r in zip(PROMPTS, got)], NEW - k)
+            assert [r.token_ids[k:] for r in got] == continued
     staging.close()
 
 
