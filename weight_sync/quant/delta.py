@@ -6,6 +6,9 @@ base of the next delta. :func:`apply_quantized_delta_` writes the changed values
 rewrites only the kernel-tensor parts the changes reach:
 
 - **block scales** (``fp8_block``): the ``block_size`` tiles that contain a change (scale and values);
+  when changes spread over many tiles (an RL step touches nearly all), one read of the base gives
+  every tile's new scale, the tiles whose scale moved are rewritten whole and in the others only the
+  changed elements are requantized;
 - **per-channel scales** (``fp8_per_channel``, ``int8``): the rows that contain a change;
 - **per-tensor scale** (``fp8``): the new scale is computed from the whole base (one read, MAX-reduced
   over the TP group like the full quantization); if it equals the live scale, only the changed elements
@@ -140,21 +143,51 @@ def _tiles(method: Fp8LinearMethod, base: torch.Tensor, pos: torch.Tensor, qweig
            scale: torch.Tensor) -> DeltaRequant:
     bn, bk = method.config.block_size
     n, k = base.shape
-    kb = -(-k // bk)
-    tiles = torch.unique((pos // k) // bn * kb + (pos % k) // bk).tolist()
-    if not tiles:
+    nb, kb = -(-n // bn), -(-k // bk)
+    tile_of = (pos // k) // bn * kb + (pos % k) // bk
+    tiles = torch.unique(tile_of)
+    if tiles.numel() == 0:
         return DeltaRequant("tile", 0, False)
-    if len(tiles) > _FULL_FRACTION * (-(-n // bn)) * kb:
-        return _full(method, base, qweight, scale, None, "tile", len(tiles))
-    for t in tiles:
-        i, j = divmod(int(t), kb)
-        rows, cols = slice(i * bn, (i + 1) * bn), slice(j * bk, (j + 1) * bk)
-        tile = base[rows, cols].to(qweight.device)
-        # As quantize_fp8: the scale from max(max, -min) of the tile, then an fp32 division, clamp, cast.
-        s = _scale(_absmax(tile).reshape(1))
-        scale[i, j] = s[0]
-        qweight[rows, cols] = torch.div(tile, s).clamp_(-FP8_MAX, FP8_MAX).to(qweight.dtype)
-    return DeltaRequant("tile", len(tiles), False)
+    if tiles.numel() * bn * bk * 8 < base.numel():
+        # A few tiles: each one requantized whole, from its own read.
+        for t in tiles.tolist():
+            _requantize_tile(base, int(t), kb, bn, bk, qweight, scale)
+        return DeltaRequant("tile", tiles.numel(), False)
+    # Changes spread over many tiles (the usual RL step touches nearly every one): one read of the
+    # base gives every tile's new scale; a tile whose scale did not move needs only its changed
+    # elements requantized (an element's fp8 value is a function of it and its tile's scale), and
+    # only the tiles whose scale moved are rewritten whole.
+    dev = qweight.device
+    b = base.to(dev)
+    v = b
+    if n % bn or k % bk:
+        # Zero padding cannot change max(max, -min) of a ragged tile (module docstring).
+        v = b.new_zeros(nb * bn, kb * bk)
+        v[:n, :k] = b
+    new_scale = _scale(_absmax(v.view(nb, bn, kb, bk), dim=(1, 3)))
+    moved = (new_scale.view(torch.int32) != scale.view(torch.int32)).reshape(-1)
+    moved_tiles = moved.nonzero().reshape(-1).tolist()
+    if len(moved_tiles) > _FULL_FRACTION * nb * kb:
+        return _full(method, base, qweight, scale, None, "tile", tiles.numel())
+    dev_tiles = tile_of.to(dev)
+    keep = ~moved[dev_tiles]
+    p = pos.to(dev)[keep]
+    q = torch.div(b.view(-1)[p], scale.reshape(-1)[dev_tiles[keep]]).clamp_(-FP8_MAX, FP8_MAX)
+    _raw(qweight).view(-1)[p] = _raw(q.to(qweight.dtype))  # fp8 has no index kernels: move the bytes
+    for t in moved_tiles:
+        _requantize_tile(b, int(t), kb, bn, bk, qweight, scale)
+    return DeltaRequant("tile", tiles.numel(), False)
+
+
+def _requantize_tile(base: torch.Tensor, t: int, kb: int, bn: int, bk: int, qweight: torch.Tensor,
+                     scale: torch.Tensor) -> None:
+    i, j = divmod(t, kb)
+    rows, cols = slice(i * bn, (i + 1) * bn), slice(j * bk, (j + 1) * bk)
+    tile = base[rows, cols].to(qweight.device)
+    # As quantize_fp8: the scale from max(max, -min) of the tile, then an fp32 division, clamp, cast.
+    s = _scale(_absmax(tile).reshape(1))
+    scale[i, j] = s[0]
+    qweight[rows, cols] = torch.div(tile, s).clamp_(-FP8_MAX, FP8_MAX).to(qweight.dtype)
 
 
 def _per_tensor(method: Fp8LinearMethod, base: torch.Tensor, pos: torch.Tensor, qweight: torch.Tensor,
