@@ -138,10 +138,17 @@ def checksum_value(halves: tuple[int, int] | list[int] | torch.Tensor, nbytes: i
     return ((hi & _MASK32) << 32 | (lo & _MASK32)) ^ nbytes
 
 
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes as a 1-D uint8 tensor that starts on a word boundary (a view 2 bytes into its
+    storage is copied: its words cannot be viewed in place)."""
+    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    return flat.clone() if flat.storage_offset() % 4 else flat
+
+
 def tensor_checksum(t: torch.Tensor) -> int:
     """The 64-bit checksum of a tensor's bytes (module docstring), any length, any device; one read pass,
     no int64 copy of the data, one read-back of two words."""
-    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    flat = _flat_bytes(t)
     n = flat.numel()
     whole = n - n % 4
     hi, lo = bucket_checksum(flat[:whole]).tolist() if whole else (0, 0)
@@ -174,7 +181,7 @@ def tensor_checksums(tensors: list[torch.Tensor]) -> list[int]:
     pending: dict[torch.device, list[tuple[int, int, torch.Tensor]]] = {}
     grouped: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
     for i, t in enumerate(tensors):
-        flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        flat = _flat_bytes(t)
         n = flat.numel()
         if n % 4 or n == 0:
             out[i] = tensor_checksum(t)

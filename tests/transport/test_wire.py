@@ -25,7 +25,7 @@ from weight_sync.transport.wire import (
 
 def _reference_checksum(t: torch.Tensor) -> int:
     """The checksum's definition, computed the plain way (int64 words, explicit weights)."""
-    flat = t.detach().contiguous().view(-1).view(torch.uint8)
+    flat = t.detach().clone().contiguous().view(-1).view(torch.uint8)  # a copy starts on a word boundary
     n = flat.numel()
     if n % 4:
         flat = torch.cat([flat, flat.new_zeros((-n) % 4)])
@@ -56,6 +56,7 @@ def test_checksums_of_many_tensors_at_once_equal_each_tensors_own() -> None:
         ((0,), torch.float32), ((3,), torch.uint8), ((7, 5), torch.bfloat16), ((65521 * 2 + 3,), torch.float32),
         ((16, 16), torch.float8_e4m3fn), ((5,), torch.bfloat16)]]
     tensors.append(torch.randn(8, 6, generator=g)[:, 1:4])  # not contiguous
+    tensors.append(torch.randn(1001, generator=g).to(torch.bfloat16)[1:])  # 2 bytes into its storage
     assert tensor_checksums(tensors) == [_reference_checksum(t) for t in tensors]
     assert tensor_checksums([]) == []
 
