@@ -12,14 +12,14 @@ fp8_block [fp8 ...]`` adds, per name and token count, our offload with the block
 online (``OffloadConfig.quantization``) against its baseline measured in the same run: the resident
 model quantized the same way (``weight_sync.quant.modules.quantize_linears`` on every block, resident),
 with the H2D bytes per block next to the dense ones, the time against the dense (bf16) offload of the
-same run, a bitwise check of the outputs and a timeline PNG per name; ``--dequant default two_pass``
+same run, a bitwise check of the outputs and a timeline PNG per name; ``--dequant default three_pass``
 times the dequantize variants of ``offload_dequant.py`` side by side.
 
 GPU (defaults: Flux-sized, 16 blocks, hidden 3072, 24 heads, bf16, 1024/4096/16384 tokens):
     python benchmarks/bench_offload.py --dp 2
     python benchmarks/bench_offload.py --quantization fp8_block fp8 --tag h200_fp8   # fp8 streaming
-    python benchmarks/bench_offload.py --quantization fp8_block fp8 --dequant default two_pass \
-        --tag h200_fp8   # and the two-pass dequantize (offload_dequant.py) side by side
+    python benchmarks/bench_offload.py --quantization fp8_block fp8 --dequant default three_pass \
+        --tag h200_fp8   # and the earlier three-pass dequantize (offload_dequant.py) side by side
 CPU (small):
     python benchmarks/bench_offload.py --device cpu
 Writes benchmarks/results/offload_<tag>.json / .md / _timeline.png (with --dp N also
@@ -170,7 +170,7 @@ def measure_quantized(args: argparse.Namespace, device: torch.device, dtype: tor
 
     The baseline is quantized on the host with the registry's processor, as our offload does, then moved
     to the device, so both compute from the same bytes with the same kernels (bitwise equal outputs).
-    ``--dequant two_pass`` swaps the dequantize of ``Fp8LinearMethod.apply`` for both sides
+    ``--dequant three_pass`` swaps the dequantize of ``Fp8LinearMethod.apply`` for both sides
     (``offload_dequant.py``), after checking that it gives the default's weight bitwise for every linear.
     """
     from weight_sync.quant.modules import quantize_linears
@@ -471,8 +471,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quantization", nargs="+", default=[], metavar="NAME",
                    help="also measure quantized blocks (quant registry names, e.g. fp8_block fp8)")
     p.add_argument("--dequant", nargs="+", choices=sorted(DEQUANT), default=["default"],
-                   help="with --quantization: dequantize variants to time side by side (two_pass: "
-                        "offload_dequant.py, the same weight bitwise in two passes)")
+                   help="with --quantization: dequantize variants to time side by side (three_pass: "
+                        "offload_dequant.py, the earlier formulation: the same weight bitwise in three passes)")
     p.add_argument("--tag", default=None)
     p.add_argument("--threads", type=int, default=None, help="CPU intra-op threads (default: 1 on CPU)")
     p.add_argument("--replot", default=None, metavar="JSON",

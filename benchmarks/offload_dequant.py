@@ -1,23 +1,16 @@
-"""A two-pass fp8 dequantize for ``bench_offload.py --dequant``: the same bf16 weight with half the traffic.
+"""The earlier three-pass fp8 dequantize, for ``bench_offload.py --dequant default three_pass``.
 
 Where fp8-streamed blocks spend device time beyond the copy: ``Fp8LinearMethod.apply`` (``fp8_block``, and
 ``fp8`` / ``fp8_per_channel`` off the ``_scaled_mm`` path) dequantizes every linear on every forward with
-``weight_sync.quant.fp8.dequantize_fp8``: ``q.float()``, a broadcast multiply by the scales, ``.to(bf16)``.
-That is three passes over the weight, about 15 bytes of device memory traffic per element (read 1 + write
-4, read 4 + write 4, read 4 + write 2) and a 4-byte transient per element: ~1.7 GB per 227 MB bf16 block,
-measured on the H200 as ~1 ms per block (resident fp8_block minus resident dense).
-
-:func:`dequantize_fp8_two_pass` gives the bitwise same result in two passes and ~7 bytes per element:
-``q.to(bf16)`` is exact (every e4m3 value is representable in bf16 and fp16: 3 mantissa bits, exponents
--9..8), and ``torch.mul(wide, scale, out=bf16)`` still forms each product in fp32 (the scales are fp32,
-so type promotion computes in fp32) and rounds it once to the output dtype, as ``.to(bf16)`` does. fp8
-itself cannot enter type promotion ("Promotion for Float8 Types is not supported"), which is why the
-exact widening comes first.
-
-This belongs in ``weight_sync/quant/fp8.py`` (the resident baseline and the offload both compute through
-it), which the offload does not own; here it is a benchmark variant, swapped in for both sides of the
-comparison by :func:`use_dequant` and checked bitwise against the default on every weight first
-(:func:`mismatched_linears`).
+``weight_sync.quant.fp8.dequantize_fp8``. It used to be ``q.float()``, a broadcast multiply by the scales,
+``.to(bf16)``: three passes, about 15 bytes of device memory traffic per element (read 1 + write 4, read
+4 + write 4, read 4 + write 2) and a 4-byte transient per element, ~1.7 GB per 227 MB bf16 block,
+measured on the H200 as ~1 ms per block (resident fp8_block minus resident dense). ``dequantize_fp8`` now
+gives the bitwise same weight in two passes (exact widening to bf16, one fp32 multiply rounded into
+bf16; its docstring says why that is exact). This module keeps the three-pass formulation
+(:func:`dequantize_fp8_three_pass`) so the benchmark can time both side by side, swapped in for both
+sides of the comparison by :func:`use_dequant` and checked bitwise against the default on every weight
+first (:func:`mismatched_linears`).
 """
 
 from __future__ import annotations
@@ -29,36 +22,27 @@ import torch
 from torch import nn
 
 import weight_sync.quant.fp8 as fp8
-from weight_sync.quant.fp8 import Fp8Config
+from weight_sync.quant.fp8 import Fp8Config, _blocks, _unblock
 
-__all__ = ["DEQUANT", "dequantize_fp8_two_pass", "mismatched_linears", "use_dequant"]
+__all__ = ["DEQUANT", "dequantize_fp8_three_pass", "mismatched_linears", "use_dequant"]
 
 _DEFAULT = fp8.dequantize_fp8
-_WIDE = (torch.bfloat16, torch.float16)  # dtypes that hold every e4m3 value exactly
 
 
-def dequantize_fp8_two_pass(
+def dequantize_fp8_three_pass(
     q: torch.Tensor, scale: torch.Tensor, config: Fp8Config, dtype: torch.dtype
 ) -> torch.Tensor:
-    """``weight_sync.quant.fp8.dequantize_fp8`` in two passes (exact widening, one fused multiply-cast)."""
-    n, k = q.shape
-    bn, bk = config.block_size
-    ragged = config.granularity == "block" and (n % bn or k % bk)
-    if q.dtype != torch.float8_e4m3fn or dtype not in _WIDE or ragged:
-        return _DEFAULT(q, scale, config, dtype)  # other dtypes, padded edge tiles: the default path
-    wide = q.to(dtype)
-    out = torch.empty((n, k), dtype=dtype, device=q.device)
+    """The earlier formulation of ``weight_sync.quant.fp8.dequantize_fp8``: ``q.float()``, a multiply in
+    fp32, ``.to(dtype)`` - three passes, ~15 bytes per element (the reference the side-by-side times)."""
     if config.granularity == "tensor":
-        torch.mul(wide, scale, out=out)
-    elif config.granularity == "channel":
-        torch.mul(wide, scale[:, None], out=out)
-    else:
-        nb, kb = n // bn, k // bk
-        torch.mul(wide.view(nb, bn, kb, bk), scale[:, None, :, None], out=out.view(nb, bn, kb, bk))
-    return out
+        return (q.float() * scale).to(dtype)
+    if config.granularity == "channel":
+        return (q.float() * scale[:, None]).to(dtype)
+    tiles = _blocks(q.float(), *config.block_size)
+    return _unblock(tiles.mul_(scale[:, None, :, None]), (q.shape[0], q.shape[1])).to(dtype)
 
 
-DEQUANT: dict[str, Callable[..., torch.Tensor]] = {"default": _DEFAULT, "two_pass": dequantize_fp8_two_pass}
+DEQUANT: dict[str, Callable[..., torch.Tensor]] = {"default": _DEFAULT, "three_pass": dequantize_fp8_three_pass}
 
 
 @contextlib.contextmanager
@@ -72,7 +56,7 @@ def use_dequant(name: str) -> Iterator[None]:
         fp8.dequantize_fp8 = saved
 
 
-def mismatched_linears(model: nn.Module, dtype: torch.dtype, name: str = "two_pass") -> list[str]:
+def mismatched_linears(model: nn.Module, dtype: torch.dtype, name: str = "three_pass") -> list[str]:
     """Names of the fp8 linears of ``model`` whose ``DEQUANT[name]`` weight differs from the default's."""
     bad = []
     for mod_name, mod in model.named_modules():

@@ -220,7 +220,29 @@ def _tile_grid(n: int, k: int, block_size: tuple[int, int]) -> tuple[int, int]:
 def dequantize_fp8(
     q: torch.Tensor, scale: torch.Tensor, config: Fp8Config, dtype: torch.dtype
 ) -> torch.Tensor:
-    """Inverse of :func:`quantize_fp8` (up to rounding), in ``dtype``."""
+    """Inverse of :func:`quantize_fp8` (up to rounding), in ``dtype``: ``(q.float() * scale).to(dtype)``.
+
+    Into bf16 or fp16 it runs in two passes instead of three: ``q.to(dtype)`` is exact (every e4m3 value
+    is representable: 3 mantissa bits, exponents -9..8), and ``torch.mul(wide, scale, out=...)`` forms
+    each product in fp32 (the scales are fp32: type promotion computes in fp32) and rounds it once into
+    ``dtype``, as ``.to(dtype)`` does - bitwise the same weight with ~7 instead of ~15 bytes of memory
+    traffic per element and no fp32 transient, which is what an fp8-streamed offload's blocks spend
+    their device time on beyond the copy. Ragged edge tiles and other dtypes take the fp32 path.
+    """
+    n, k = q.shape
+    bn, bk = config.block_size
+    ragged = config.granularity == "block" and bool(n % bn or k % bk)
+    if q.dtype == torch.float8_e4m3fn and dtype in (torch.bfloat16, torch.float16) and not ragged:
+        wide = q.to(dtype)
+        out = torch.empty((n, k), dtype=dtype, device=q.device)
+        if config.granularity == "tensor":
+            torch.mul(wide, scale, out=out)
+        elif config.granularity == "channel":
+            torch.mul(wide, scale[:, None], out=out)
+        else:
+            torch.mul(wide.view(n // bn, bn, k // bk, bk), scale[:, None, :, None],
+                      out=out.view(n // bn, bn, k // bk, bk))
+        return out
     if config.granularity == "tensor":
         return (q.float() * scale).to(dtype)
     if config.granularity == "channel":
