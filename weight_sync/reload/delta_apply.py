@@ -35,6 +35,7 @@ the engine's weights between updates (any update that is not a delta drops them)
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -44,7 +45,7 @@ import torch
 from torch import nn
 
 from weight_sync.checksum import tensor_checksums
-from weight_sync.errors import LayoutMismatchError
+from weight_sync.errors import ConfigError, LayoutMismatchError
 from weight_sync.layers.tensors import iter_graph_visible_tensors
 from weight_sync.quant.delta import apply_quantized_delta_
 from weight_sync.quant.online import OnlineQuantLinearMethod
@@ -52,7 +53,20 @@ from weight_sync.reload.plan import Plan
 from weight_sync.reload.report import fingerprint
 from weight_sync.reload.state import LayerInfo, ModelState
 
-__all__ = ["DeltaApplier", "InPlaceUpdate", "Target", "plan_routes"]
+__all__ = ["DELTA_BASE_ATTR", "DeltaApplier", "InPlaceUpdate", "Target", "keep_delta_base", "plan_routes"]
+
+#: Model attribute naming where the engine keeps the model-format copies of quantized weights.
+DELTA_BASE_ATTR = "ws_delta_base"
+
+
+def keep_delta_base(model: nn.Module, where: str = "pinned") -> None:
+    """Choose where ``model``'s engine keeps the model-format copies delta sync needs for quantized
+    layers: ``"pinned"`` (host memory, page-locked when CUDA is there; the default) or ``"device"``
+    (the model's device: requantization reads them without a host-to-device copy, at the cost of the
+    quantized layers' weights in full precision on the device). Takes effect at the next full update."""
+    if where not in ("pinned", "device"):
+        raise ConfigError(f"delta base must be 'pinned' or 'device', got {where!r}")
+    model.__dict__[DELTA_BASE_ATTR] = where
 
 _MASK32 = 0xFFFFFFFF
 _PERIOD = 65521  # the checksum's weight period (weight_sync.checksum)
@@ -258,7 +272,12 @@ class InPlaceUpdate:
         self.recorded: set[tuple[str, str]] = set()
         self.num_in_place = 0
         self.num_requantized = 0
+        self.seconds = {"apply": 0.0, "fingerprint": 0.0}  # host time of the in-place writes and the fingerprint
         self.pending_checksums: dict[int, tuple[int, torch.dtype, tuple[int, ...], int]] | None = None
+
+    def _base_device(self) -> torch.device:
+        where = self.session.model.__dict__.get(DELTA_BASE_ATTR, "pinned")
+        return self.session.device if where == "device" else torch.device("cpu")
 
     def route(self, name: str) -> tuple[Target, ...] | None:
         if name not in self.routes:  # a key the manifest did not list (the session refuses it)
@@ -271,7 +290,7 @@ class InPlaceUpdate:
         for t in targets:
             if t.kind != "quant":
                 continue
-            base = self.applier.model_format_copy(self.state.layers[t.layer], t.tensor)
+            base = self.applier.model_format_copy(self.state.layers[t.layer], t.tensor, self._base_device())
             dst = base.view(-1)[t.dst_offset : t.dst_offset + t.numel]
             part = src if t.whole else src.as_strided((t.rows, t.cols), (t.src_row_stride, 1),
                                                       src.storage_offset() + t.src_offset)
@@ -284,6 +303,7 @@ class InPlaceUpdate:
         # Imported here: weight_sync.transport imports this module (through delta_sync).
         from weight_sync.transport.delta import decode_delta
 
+        t0 = time.perf_counter()
         pos, vals = decode_delta(payload, meta_numel, dtype)  # checked whole before any write
         for t in targets:
             info = self.state.layers[t.layer]
@@ -295,6 +315,7 @@ class InPlaceUpdate:
         self.session._arrived.add(name)  # applied here, not through load(): completion counts it
         self.session._num_bytes += payload.numel()
         self.num_in_place += 1
+        self.seconds["apply"] += time.perf_counter() - t0
 
     def _scatter(self, info: LayerInfo, t: Target, idx: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> None:
         live = _live(info.module, t.tensor)
@@ -347,6 +368,7 @@ class InPlaceUpdate:
     def fingerprint(self, model: nn.Module) -> str:
         """The model's fingerprint after this update, from cached checksums moved by the changes where
         they are known; the checksums become the cache's on :meth:`commit`."""
+        t0 = time.perf_counter()
         cache = self.applier.checksums if self.mode == "delta" else {}
         items = [t for _, t in iter_graph_visible_tensors(model) if t.device.type != "meta"]
         known: dict[int, int] = {}
@@ -370,7 +392,9 @@ class InPlaceUpdate:
                 known[id(t)] = ((hi << 32) | lo) ^ nbytes
         known.update(zip(map(id, todo), tensor_checksums(todo)))
         self.pending_checksums = {id(t): (t.data_ptr(), t.dtype, tuple(t.shape), known[id(t)]) for t in items}
-        return fingerprint(model, known)
+        out = fingerprint(model, known)
+        self.seconds["fingerprint"] += time.perf_counter() - t0
+        return out
 
     def commit(self) -> None:
         if self.pending_checksums is not None:
@@ -400,8 +424,7 @@ class DeltaApplier:
     """An engine rank's in-place delta state across updates: the model-format copies of quantized
     weights and the checksums of the tensors the last committed update left."""
 
-    def __init__(self, device: str | torch.device = "cpu") -> None:
-        self.device = torch.device(device)
+    def __init__(self) -> None:
         self.bases: dict[tuple[str, str], torch.Tensor] = {}
         self.checksums: dict[int, tuple[int, torch.dtype, tuple[int, ...], int]] = {}
 
@@ -413,15 +436,15 @@ class DeltaApplier:
     def begin(self, session: Any, mode: str) -> InPlaceUpdate:
         return InPlaceUpdate(self, session, mode)
 
-    def model_format_copy(self, info: LayerInfo, tensor: str) -> torch.Tensor:
-        """The kept model-format copy of ``info``'s ``tensor`` (zero-filled when new: unwritten
-        regions are padding, zero as in the session's staging)."""
+    def model_format_copy(self, info: LayerInfo, tensor: str, device: torch.device) -> torch.Tensor:
+        """The kept model-format copy of ``info``'s ``tensor`` on ``device`` (host memory is pinned when
+        CUDA is there; zero-filled when new: unwritten regions are padding, zero as in the staging)."""
         rec = info.records[tensor]
         key = (info.name, tensor)
         base = self.bases.get(key)
-        if base is None or base.dtype != rec.dtype or tuple(base.shape) != tuple(rec.shape):
-            pin = self.device.type == "cpu" and torch.cuda.is_available()
-            base = torch.zeros(tuple(rec.shape), dtype=rec.dtype, device=self.device, pin_memory=pin)
+        if base is None or base.dtype != rec.dtype or tuple(base.shape) != tuple(rec.shape) or base.device != device:
+            pin = device.type == "cpu" and torch.cuda.is_available()
+            base = torch.zeros(tuple(rec.shape), dtype=rec.dtype, device=device, pin_memory=pin)
             self.bases[key] = base
         return base
 
