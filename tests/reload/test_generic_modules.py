@@ -154,3 +154,19 @@ def test_the_session_context_manager_aborts_on_error_and_restores_processed_laye
     assert net.blocks[0].weight.shape == (5, 3)
     for k, v in net.state_dict().items():
         assert torch.equal(v, before[k])
+
+
+def test_a_model_recorded_after_its_linears_were_quantized_refuses_full_precision_updates_naming_the_tensor() -> None:
+    from weight_sync import Manifest, ManifestError, begin_update, record_metadata_for_reloading
+    from weight_sync.quant.modules import quantize_linears
+
+    model = nn.Sequential(nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 128))
+    weights = [(n, torch.randn_like(t)) for n, t in model.state_dict().items()]
+    quantize_linears(model, "fp8_block")  # kernel format now: fp8 bytes and scales
+    record_metadata_for_reloading(model)  # too late: the recorded layout is the fp8 one
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ManifestError, match=r"0\.weight holds float8_e4m3fn .* brings float32"):
+        begin_update(model, Manifest.from_named_tensors(weights))
+    after = model.state_dict()
+    assert all(torch.equal(after[k].view(torch.uint8) if v.dtype.itemsize == 1 else after[k],
+                           v.view(torch.uint8) if v.dtype.itemsize == 1 else v) for k, v in before.items())

@@ -126,6 +126,15 @@ class _Recorder(TorchDispatchMode):
                             f"({str(dst.dtype).removeprefix('torch.')}), got "
                             f"{str(self.src.dtype).removeprefix('torch.')}"
                         )
+                    if dst.dtype.itemsize == 1 and self.src.dtype.is_floating_point and self.src.dtype.itemsize > 1:
+                        # An 8-bit destination of a wider float is quantized bytes whose scales live
+                        # elsewhere: a plain cast into it would serve garbage (its scales untouched).
+                        raise LayoutMismatchError(
+                            f"{target[0]}.{target[1]} holds {str(dst.dtype).removeprefix('torch.')} (8-bit "
+                            f"kernel format) and the update brings {str(self.src.dtype).removeprefix('torch.')}: "
+                            "copying would cast away its scales; record the model in model format "
+                            "(record_metadata_for_reloading before quantizing it) so reload quantizes it"
+                        )
                     whole = (
                         src.storage_offset() == self.src.storage_offset()
                         and tuple(src.shape) == tuple(self.src.shape)
