@@ -285,6 +285,10 @@ class UpdateSession(EndingSteps):
         else:
             model_load_weights(self.model)([(name, tensor)])
             self._via_loader += 1
+        self._key_written(name, kp)
+
+    def _key_written(self, name: str, kp: KeyPlan) -> None:
+        """Every byte of key ``name`` is written: complete the layers (or units) it was the last key of."""
         for layer in kp.layers:
             ol = self._open.get(layer)
             if ol is not None:

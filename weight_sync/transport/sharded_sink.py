@@ -121,17 +121,9 @@ class RegionSink:
         if whole is not None:
             s.load([(name, whole)])  # the engine's own loader consumes the whole tensor
             return
-        kp = s.plan.keys[name]
         s._arrived.add(name)
         s._replayed += 1
-        for layer in kp.layers:
-            ol = s._open.get(layer)
-            if ol is not None:
-                ol.remaining.discard(name)
-                if not ol.remaining and s.expected is not None:
-                    s._complete(ol)
-            elif s._unit_open:
-                s._unit_arrived(layer, name)
+        s._key_written(name, s.plan.keys[name])
 
     def incomplete(self) -> list[str]:
         """Keys with regions still to come on this rank."""
