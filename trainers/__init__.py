@@ -9,8 +9,13 @@ manifest from metadata and ``(name, tensor)`` in block order for a :class:`weigh
 phase out to Ray actors while the weights travel over the transport; ``EngineProcesses`` does the same
 for local worker processes without Ray (JSON over pipes).
 
-Limitations: LoRA merge covers peft-style Linear and Embedding layers (not conv or DoRA); FSDPSource sends
-from one rank (no resharded multi-sender transfer); Ray is imported only by ``trainers.ray_client``.
+``FSDPSource.shards()`` gives each rank's own pieces for the sharded plane (every trainer rank sends what
+it holds, every engine rank receives only its shard: ``weight_sync.transport.ShardedSender``, docs/scale_out.md),
+and ``trainers.ray_scale.RayScaleOut`` deploys that on Ray placement groups.
+
+Limitations: LoRA merge covers peft-style Linear and Embedding layers (not conv or DoRA), and LoRA factors
+are not sharded (``shards()`` refuses them); Ray is imported only by ``trainers.ray_client`` and
+``trainers.ray_scale``.
 This package imports weight_sync; weight_sync never imports it.
 """
 
