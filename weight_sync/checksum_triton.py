@@ -12,11 +12,12 @@ the result). One launch for every tensor of a device, one read of each byte, one
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from typing import Any
 
 import torch
+
+from weight_sync.quant.fp8_triton import _launch_device, launch_table
 
 __all__ = ["word_sums"]
 
@@ -65,11 +66,9 @@ def word_sums(tensors: list[torch.Tensor]) -> torch.Tensor:
         n = t.numel() * t.element_size() // 4
         rows += (t.data_ptr(), n)
         most = max(most, -(-n // _PERIOD))
-    table = torch.tensor(rows, dtype=torch.int64)
-    if device.type == "cuda":
-        table = table.pin_memory().to(device, non_blocking=True)
+    table = launch_table(rows, device)
     out = torch.zeros((len(tensors), 2), dtype=torch.int32, device=device)
-    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+    with _launch_device(tensors[0]):
         _kernel()[(most, len(tensors))](table, out, PERIOD=_PERIOD, BLOCK=_BLOCK)
     return out.to(torch.int64).bitwise_and_(0xFFFFFFFF)
 

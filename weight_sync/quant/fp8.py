@@ -202,12 +202,13 @@ def quantize_fp8_bands(items: list[tuple[torch.Tensor, torch.Tensor, torch.Tenso
         from weight_sync.quant.fp8_grouped import quantize_fp8_grouped
 
         device = items[0][0].device
-        grouped = [it for it in items if it[0].numel() and it[0].stride(1) == 1 and it[0].device == device
-                   and it[1].is_contiguous() and it[2].is_contiguous()]
-        if grouped:
-            quantize_fp8_grouped(grouped, config.granularity, config.block_size, FP8_MAX, _EPS)
-            done = {id(it) for it in grouped}
-            rest = [it for it in items if id(it) not in done]
+        grouped: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        rest = []
+        for it in items:
+            fits = (it[0].numel() and it[0].stride(1) == 1 and it[0].device == device
+                    and it[1].is_contiguous() and it[2].is_contiguous())
+            (grouped if fits else rest).append(it)
+        quantize_fp8_grouped(grouped, config.granularity, config.block_size, FP8_MAX, _EPS)
     for w, q, s in rest:
         write_band(q, s, quantize_fp8(w, config, None, out=(q, s)))
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from weight_sync.quant.fp8_triton import _f32_bits, _launch_device, fused_geometry
+from weight_sync.quant.fp8_triton import _f32_bits, _launch_device, fused_geometry, launch_table
 
 __all__ = ["quantize_fp8_grouped"]
 
@@ -134,9 +134,7 @@ def quantize_fp8_grouped(
         for key, rows in groups.items():
             bm, bk, per_row, one_pass, warps, _, aligned = key
             w0, q0, s0 = first[key]
-            table = torch.tensor(rows, dtype=torch.int64)
-            if w0.is_cuda:
-                table = table.pin_memory().to(device, non_blocking=True)
+            table = launch_table(rows, device)
             count, most = len(rows) // 12, max(rows[11::12])
             kernel[(most, count)](table, w0, q0, s0, eps_bits, fmax, BM=bm, BK=bk, PER_ROW=per_row,
                                   ONE_PASS=one_pass, ALIGNED=aligned, num_warps=warps, enable_fp_fusion=False)

@@ -31,6 +31,7 @@ __all__ = [
     "absmax_bits_fp8",
     "fused_geometry",
     "fused_supported",
+    "launch_table",
     "quantize_fp8_fused",
     "scale_cast_fp8",
     "tensor_cast_fp8",
@@ -65,6 +66,13 @@ def _launch_device(w: torch.Tensor) -> contextlib.AbstractContextManager[Any]:
     # current one (an engine on cuda:1 built from a process whose current device is cuda:0) must switch.
     # A CPU tensor only reaches a kernel under TRITON_INTERPRET=1 (the CPU tests).
     return torch.cuda.device(w.device) if w.is_cuda else contextlib.nullcontext()
+
+
+def launch_table(rows: list[int], device: torch.device) -> torch.Tensor:
+    """``rows`` as an int64 tensor on ``device`` for a kernel to read (pointers, sizes of a grouped
+    launch): copied from pinned memory without waiting, in stream order before the launch."""
+    table = torch.tensor(rows, dtype=torch.int64)
+    return table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else table
 
 
 def _f32_bits(x: float) -> int:

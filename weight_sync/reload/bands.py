@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from weight_sync.quant.online import RowBands
-from weight_sync.reload.plan import CopyOp, Plan
+from weight_sync.reload.plan import CopyOp, Plan, contiguous_strides
 from weight_sync.reload.state import LayerInfo
 
 __all__ = ["band_target", "layer_bands"]
@@ -37,7 +37,7 @@ def layer_bands(plan: Plan, info: LayerInfo) -> dict[str, RowBands] | None:
         return None
     bands: dict[str, RowBands] = {}
     for name, rec in info.records.items():
-        rb = offer(info.module, name, rec.shape) if rec.stride == _contiguous(rec.shape) else None
+        rb = offer(info.module, name, rec.shape) if rec.stride == contiguous_strides(rec.shape) else None
         if rb is not None:
             bands[name] = rb
         else:
@@ -82,14 +82,6 @@ def _ops_are_bands(plan: Plan, info: LayerInfo, bands: dict[str, RowBands]) -> b
             if name not in covered or rows_written.get(name, 0) != matrices * rec.shape[-2]:
                 return False
     return True
-
-
-def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, out = 1, []
-    for n in reversed(shape):
-        out.append(stride)
-        stride *= max(n, 1)
-    return tuple(reversed(out))
 
 
 def _band(op: CopyOp, shape: tuple[int, ...]) -> tuple[int, int] | None:

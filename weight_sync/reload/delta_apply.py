@@ -49,7 +49,7 @@ from weight_sync.errors import ConfigError, LayoutMismatchError
 from weight_sync.layers.tensors import iter_graph_visible_tensors
 from weight_sync.quant.delta import apply_quantized_delta_
 from weight_sync.quant.online import OnlineQuantLinearMethod
-from weight_sync.reload.plan import Plan
+from weight_sync.reload.plan import Plan, contiguous_strides
 from weight_sync.reload.report import fingerprint
 from weight_sync.reload.state import LayerInfo, ModelState
 
@@ -98,14 +98,6 @@ class Target:
         return self.rows * self.cols
 
 
-def _contiguous_strides(size: tuple[int, ...]) -> tuple[int, ...]:
-    out, step = [], 1
-    for n in reversed(size):
-        out.append(step)
-        step *= max(n, 1)
-    return tuple(reversed(out))
-
-
 def _live(mod: nn.Module, name: str) -> torch.Tensor | None:
     t: torch.Tensor | None = mod._parameters.get(name)
     if t is None:
@@ -132,7 +124,7 @@ def _kind(info: LayerInfo, tensor: str) -> str | None:
     if tensor == "weight":
         q, s = _live(mod, "weight"), _live(mod, "weight_scale")
         ok = (q is not None and s is not None and len(rec.shape) == 2 and tuple(q.shape) == tuple(rec.shape)
-              and tuple(rec.stride) == _contiguous_strides(tuple(rec.shape)))
+              and tuple(rec.stride) == contiguous_strides(tuple(rec.shape)))
         return "quant" if ok else None
     # Online quantization replaces the weight only: the layer's other tensors stay as loaded.
     if _usable(live) and live is not None and live.dtype == rec.dtype and tuple(live.shape) == tuple(rec.shape):
@@ -151,10 +143,10 @@ def _key_targets(state: ModelState, plan: Plan, name: str) -> tuple[Target, ...]
         if info is None or tuple(op.dst_size) != tuple(op.src_size):
             return None
         size = tuple(op.src_size)
-        if tuple(op.dst_stride) != _contiguous_strides(size):
+        if tuple(op.dst_stride) != contiguous_strides(size):
             return None
         # The source: contiguous, or the rows of a wider tensor (a column shard).
-        if tuple(op.src_stride) == _contiguous_strides(size):
+        if tuple(op.src_stride) == contiguous_strides(size):
             rows, cols, row_stride = 1, math.prod(size), math.prod(size)
         elif len(size) == 2 and op.src_stride[1] == 1 and op.src_stride[0] >= size[1]:
             rows, cols, row_stride = size[0], size[1], op.src_stride[0]

@@ -27,6 +27,7 @@ from weight_sync.reload.validation import lacking_from_reference, name_list, rew
 
 __all__ = ["EndingSteps"]
 
+# The session's logger: its warnings (out-of-order buffering) keep the name users filter on.
 log = logging.getLogger("weight_sync.reload.session")
 
 

@@ -156,6 +156,15 @@ class Plan:
         return full
 
 
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides torch gives a contiguous tensor of ``shape`` (a dimension of size 0 counts as 1)."""
+    out, step = [], 1
+    for n in reversed(shape):
+        out.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(out))
+
+
 def span(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
     """Elements of storage a (shape, stride) view spans from its first element."""
     if any(d == 0 for d in shape):

@@ -30,6 +30,7 @@ from torch import nn
 
 from weight_sync.errors import ConfigError, ManifestError
 from weight_sync.manifest import TensorMeta
+from weight_sync.reload.plan import contiguous_strides
 from weight_sync.transport.routes import Box, Holding, Need, NeedPiece, Piece, fmt_box
 
 __all__ = [
@@ -184,18 +185,10 @@ def whole_holdings(
 # ------------------------------------------------------------------------------------------- engine
 
 
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    out, acc = [], 1
-    for n in reversed(shape):
-        out.append(acc)
-        acc *= n
-    return tuple(reversed(out))
-
-
 def _view_box(name: str, shape: tuple[int, ...], offset: int, size: tuple[int, ...],
               stride: tuple[int, ...]) -> Box:
     """The box a strided view of a contiguous tensor of ``shape`` covers; refused when it is no box."""
-    cs = _contiguous_strides(shape)
+    cs = contiguous_strides(shape)
     if len(size) != len(shape) or any(n > 1 and s != c for n, s, c in zip(size, stride, cs)):
         raise ManifestError(
             f"{name}: the engine's loader reads a view (size {size}, stride {stride}) of {shape} that is "

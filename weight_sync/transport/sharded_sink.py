@@ -21,18 +21,10 @@ from typing import Any
 import torch
 
 from weight_sync.errors import LayoutMismatchError, UpdateStateError
-from weight_sync.reload.plan import CopyOp
+from weight_sync.reload.plan import CopyOp, contiguous_strides
 from weight_sync.transport.routes import Box, Need
 
 __all__ = ["RegionSink"]
-
-
-def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
-    out, acc = [], 1
-    for n in reversed(shape):
-        out.append(acc)
-        acc *= n
-    return tuple(reversed(out))
 
 
 def _volume(box: Box) -> int:
@@ -98,7 +90,7 @@ class RegionSink:
         layer, _, tensor = param.rpartition(".")
         size = tuple(src.shape)
         op = CopyOp(layer=layer, tensor=tensor, dst_offset=dst_offset, dst_size=size, dst_stride=dst_stride,
-                    src_offset=0, src_size=size, src_stride=_contiguous(size), src_whole=True)
+                    src_offset=0, src_size=size, src_stride=contiguous_strides(size), src_whole=True)
         if layer not in s.state.layers:
             raise LayoutMismatchError(f"[engine rank {self.rank}] {name}: the plan writes into {param}, and "
                                       f"the model has no layer {layer!r}")
