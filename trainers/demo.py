@@ -23,19 +23,23 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from weight_sync.engine import ReferenceEngine
+from weight_sync.errors import ConfigError
 from weight_sync.layers import order_by_block
 from weight_sync.manifest import Manifest
 from weight_sync.testing import make_checkpoint
 from weight_sync.testing.checkpoint import CHARS, SPECIAL_TOKENS
 
-__all__ = ["TRANSPORTS", "DemoConfig", "StepResult", "run_demo", "trainer_weights"]
+__all__ = ["ENGINES", "TRANSPORTS", "DemoConfig", "StepResult", "run_demo", "trainer_weights"]
 
 # 'inproc': the engine lives in the trainer's process; the others run engine worker processes.
 TRANSPORTS = ("inproc", "gloo", "shm", "nccl", "ipc")
+# 'reference': weight_sync's engine; 'vllm': the installed vLLM through its RL API (trainers.demo_vllm).
+ENGINES = ("reference", "vllm")
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +66,14 @@ class DemoConfig:
     # Delta sync: each step ships only the bytes that changed since the engines' last committed version
     # (weights travel as bf16, the engines' dtype, so an element changes only when its bf16 value does).
     delta: bool = False
-    # Asynchronous RL: generate step k+1's rollouts while step k's weights are staged (engine in process).
+    # Asynchronous RL: generate step k+1's rollouts while step k's weights are staged (reference engine
+    # in process) or sent under vLLM's pause_generation(mode="keep") (vLLM).
     asynchronous: bool = False
+    engine: str = "reference"
 
     def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ConfigError(f"engine must be one of {ENGINES}, got {self.engine!r}")
         for name in ("steps", "prompts_per_step", "samples_per_prompt", "new_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -78,11 +86,23 @@ class DemoConfig:
         if self.delta and (self.transport == "inproc" or self.zero_copy):
             raise ValueError(f"delta needs a buffered transport to engine processes, got transport "
                              f"{self.transport!r}, zero_copy={self.zero_copy}")
-        if self.asynchronous and (self.transport != "inproc" or self.delta):
+        if self.engine == "vllm":
+            self._check_vllm()
+        elif self.asynchronous and (self.transport != "inproc" or self.delta):
             raise ValueError(f"asynchronous needs transport 'inproc' (the engine stages in this process) and "
                              f"full updates, got transport {self.transport!r}, delta={self.delta}")
         if self.samples_per_prompt < 2:
             raise ValueError("samples_per_prompt must be >= 2 (advantages are relative within a group)")
+
+    def _check_vllm(self) -> None:
+        # vLLM's workers receive over a transport; one engine with one worker (TP = 1); vLLM's own fp8.
+        if self.transport == "inproc" or self.workers != 1 or self.zero_copy:
+            raise ConfigError(f"engine 'vllm' needs a transport to its worker ('gloo' on CPU), one worker and "
+                             f"buffered updates, got transport {self.transport!r}, workers={self.workers}, "
+                             f"zero_copy={self.zero_copy}")
+        if self.quantization not in ("fp8", None):
+            raise ConfigError(f"engine 'vllm' runs quantization 'fp8' (vLLM's online fp8) or none, got "
+                             f"{self.quantization!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +118,8 @@ class StepResult:
     staleness_max: int | None = None
     staleness_mean: float | None = None
     wait_s: float | None = None
+    # vLLM, asynchronous: how long generation was paused for the update.
+    paused_s: float | None = None
 
 
 def trainer_weights(model: torch.nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -132,8 +154,12 @@ def _fresh_fingerprint(model, config_dir: Path, scratch: Path, quantization: str
     ).fingerprint()
 
 
-def run_demo(config: DemoConfig) -> list[StepResult]:
-    """Run the loop; returns one result per step and writes results.json + reward_curve.png."""
+def run_demo(config: DemoConfig, *, vllm_engine: Any = None) -> list[StepResult]:
+    """Run the loop; returns one result per step and writes results.json + reward_curve.png.
+
+    ``vllm_engine``: with ``engine='vllm'``, a :class:`trainers.demo_vllm.VLLMDemoEngine` to run on (reset to
+    this run's initial checkpoint first) instead of one started and shut down here.
+    """
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(config.seed)
@@ -145,16 +171,22 @@ def run_demo(config: DemoConfig) -> list[StepResult]:
         trainer.to("cuda:0")  # zero-copy ipc exports the trainer's own tensors: they must be on the GPU
     trainer.train()
     opt = torch.optim.Adam(trainer.parameters(), lr=config.lr)
+    targets = _target_ids(config.target_chars)
+    gen = torch.Generator().manual_seed(config.seed)
+    scratch = Path(tempfile.mkdtemp(prefix="ws-demo-"))
+    if config.engine == "vllm":
+        from trainers.demo_vllm import run_vllm_loop
+
+        results = run_vllm_loop(config, trainer, opt, targets, gen, ckpt, scratch, engine=vllm_engine)
+        _save(config, results, out)
+        return results
     engine, workers, sender = None, None, None
     if config.transport == "inproc":
         engine = ReferenceEngine.from_checkpoint(ckpt, dtype=torch.bfloat16, quantization=config.quantization)
     else:
         workers, sender = _start_workers(config, ckpt)
     manifest = Manifest.from_named_tensors(trainer_weights(trainer, _wire_dtype(config)))
-    targets = _target_ids(config.target_chars)
-    gen = torch.Generator().manual_seed(config.seed)
     results: list[StepResult] = []
-    scratch = Path(tempfile.mkdtemp(prefix="ws-demo-"))
     where = ("in process" if workers is None
              else f"{len(workers)} worker process(es) over {config.transport}")
     print(f"engine: reference, quantization={config.quantization}, {where}; trainer: transformers fp32; "
@@ -171,12 +203,16 @@ def run_demo(config: DemoConfig) -> list[StepResult]:
             sender.close()
         if workers is not None:
             workers.close()
+    _save(config, results, out)
+    return results
+
+
+def _save(config: DemoConfig, results: list[StepResult], out: Path) -> None:
     (out / "results.json").write_text(json.dumps(
         {"config": {k: str(v) for k, v in asdict(config).items()}, "steps": [asdict(r) for r in results]},
         indent=1,
     ))
-    _plot(results, out / "reward_curve.png")
-    return results
+    _plot(results, out / "reward_curve.png", config.engine)
 
 
 def _wire_dtype(config: DemoConfig) -> torch.dtype | None:
@@ -326,7 +362,7 @@ def _async_loop(config: DemoConfig, trainer, opt, engine: ReferenceEngine, manif
     return results
 
 
-def _plot(results: list[StepResult], path: Path) -> None:
+def _plot(results: list[StepResult], path: Path, engine: str = "reference") -> None:
     try:
         import matplotlib
 
@@ -339,7 +375,7 @@ def _plot(results: list[StepResult], path: Path) -> None:
     ax.plot([r.step for r in results], [r.reward for r in results], marker="o")
     ax.set_xlabel("step (one weight sync per step)")
     ax.set_ylabel("reward (printable-token fraction)")
-    ax.set_title("QeRL demo: trainer -> fp8 reference engine")
+    ax.set_title(f"QeRL demo: trainer -> {engine} engine")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
