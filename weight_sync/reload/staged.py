@@ -94,12 +94,17 @@ class CommitReport:
     placement: str
 
 
-def _layout(model: nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    return {n: (tuple(t.shape), t.dtype) for n, t in iter_graph_visible_tensors(model) if t.device.type != "meta"}
+def _staged_tensors(model: nn.Module, skip: frozenset[str]) -> list[tuple[str, torch.Tensor]]:
+    """The graph-visible tensors a twin stages: all but those whose attribute name is in ``skip``."""
+    return [(n, t) for n, t in iter_graph_visible_tensors(model) if n.rsplit(".", 1)[-1] not in skip]
 
 
-def _nbytes(model: nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for _, t in iter_graph_visible_tensors(model))
+def _layout(model: nn.Module, skip: frozenset[str] = frozenset()) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    return {n: (tuple(t.shape), t.dtype) for n, t in _staged_tensors(model, skip) if t.device.type != "meta"}
+
+
+def _nbytes(model: nn.Module, skip: frozenset[str] = frozenset()) -> int:
+    return sum(t.numel() * t.element_size() for _, t in _staged_tensors(model, skip))
 
 
 class StagedWeights:
@@ -109,6 +114,13 @@ class StagedWeights:
     (its reload metadata is recorded here). Pass this object to a :class:`WeightReceiver` (it has
     ``begin_update`` and ``model``, the twin) or call :meth:`begin_update` directly; call
     :meth:`commit` at a point where the live model is not computing (a step boundary).
+
+    ``carry_state(src, dst)``: for kernel state a processor keeps outside tensors (vLLM-CPU's oneDNN
+    handles of prepacked linear weights), which no tensor copy moves; called after the tensor copies
+    when the twin is seeded (live -> twin) and in every commit (twin -> live). It must install
+    ``src``'s objects in ``dst`` rather than write into them: after a commit both models share them,
+    and the twin's next update replaces its own. ``skip_attrs``: names of graph-visible tensor
+    attributes that are not weights and are never staged or copied (vLLM's attention ``kv_cache``).
     """
 
     def __init__(
@@ -117,9 +129,13 @@ class StagedWeights:
         build_twin: Callable[[torch.device], nn.Module],
         *,
         config: StagingConfig | None = None,
+        carry_state: Callable[[nn.Module, nn.Module], None] | None = None,
+        skip_attrs: frozenset[str] = frozenset(),
     ) -> None:
         self.config = config or StagingConfig()
         self.live = live
+        self._carry_state = carry_state
+        self._skip = frozenset(skip_attrs)
         live_tensors = list(iter_graph_visible_tensors(live))
         if not live_tensors:
             raise ConfigError(f"{type(live).__name__} has no graph-visible tensors to stage")
@@ -127,11 +143,11 @@ class StagedWeights:
         live_state = get_state(live, create=True)
         # The twin holds the larger of the kernel form and the model format (a quantized twin is in
         # model format until its first update is processed).
-        estimate = max(_nbytes(live), sum(i.model_format_bytes for i in live_state.layers.values()))
+        estimate = max(_nbytes(live, self._skip), sum(i.model_format_bytes for i in live_state.layers.values()))
         self.device, self.placement = self._place(estimate)
         self.model = build_twin(self.device)
         record_metadata_for_reloading(self.model)
-        self.num_bytes = _nbytes(self.model)
+        self.num_bytes = _nbytes(self.model, self._skip)
         if self.config.max_bytes is not None and self.num_bytes > self.config.max_bytes:
             raise ConfigError(
                 f"the staging twin takes {self.num_bytes} bytes on {self.device}, over "
@@ -149,7 +165,7 @@ class StagedWeights:
         self.committed_version: Any = live_state.version
         self.last_commit: CommitReport | None = None
         self.num_commits = 0
-        self.seeded = _layout(self.model) == _layout(live)
+        self.seeded = _layout(self.model, self._skip) == _layout(live, self._skip)
         if self.seeded:
             self._seed(live_state)
         register_post_update_hook(self.model, self._check_layout)
@@ -174,10 +190,12 @@ class StagedWeights:
 
     def _seed(self, live_state: Any) -> None:
         """Start the twin at the live version, so a partial update (a delta) applies to the right base."""
-        live_named = dict(iter_graph_visible_tensors(self.live))
+        live_named = dict(_staged_tensors(self.live, self._skip))
         with torch.no_grad():
-            for name, t in iter_graph_visible_tensors(self.model):
+            for name, t in _staged_tensors(self.model, self._skip):
                 t.copy_(live_named[name])
+        if self._carry_state is not None:
+            self._carry_state(self.live, self.model)
         twin_state = get_state(self.model)
         twin_state.reference = live_state.reference
         twin_state.version = live_state.version
@@ -185,7 +203,7 @@ class StagedWeights:
 
     def _check_layout(self, twin: nn.Module) -> None:
         """Post-update hook of the twin: its kernel layout must be the live model's, name for name."""
-        got, want = _layout(twin), _layout(self.live)
+        got, want = _layout(twin, self._skip), _layout(self.live, self._skip)
         if got == want:
             return
         names = sorted(set(got) ^ set(want)) or sorted(n for n in want if got[n] != want[n])
@@ -196,8 +214,8 @@ class StagedWeights:
         )
 
     def _refresh_pairs(self) -> None:
-        live_named = dict(iter_graph_visible_tensors(self.live))
-        self._pairs = [(live_named[n], t) for n, t in iter_graph_visible_tensors(self.model)]
+        live_named = dict(_staged_tensors(self.live, self._skip))
+        self._pairs = [(live_named[n], t) for n, t in _staged_tensors(self.model, self._skip)]
         self.num_bytes = sum(t.numel() * t.element_size() for _, t in self._pairs)
         if self.placement == "host" and self.live_device.type == "cuda" and self.config.pin_host:
             self._pin()
@@ -309,6 +327,8 @@ class StagedWeights:
             check_servable(self.model)
             t0 = time.perf_counter()
             self._copy()
+            if self._carry_state is not None:
+                self._carry_state(self.model, self.live)
             seconds = time.perf_counter() - t0
             live_state.version = pending.version
             self.last_report = pending.report

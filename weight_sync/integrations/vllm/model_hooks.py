@@ -53,7 +53,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 # Attributes an attention layer holds that are not weights: the KV cache views bound after allocation.
-_KV_CACHE_ATTRS = frozenset({"kv_cache"})
+KV_CACHE_ATTRS = _KV_CACHE_ATTRS = frozenset({"kv_cache"})
 
 # Unquantized methods whose processing is a no-op on CUDA-like platforms (on CPU they prepack for oneDNN).
 _NOOP_ON_CUDA = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
