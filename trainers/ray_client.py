@@ -108,8 +108,12 @@ class RayRolloutClient:
         here = node_address()
         host = "127.0.0.1" if all(a["host"] == here for a in addresses) else here
         cfg = self.transport if self.transport.backend == "disk" else replace(self.transport, host=host)
-        self.sender = WeightSender(cfg, num_receivers=len(self.workers))
-        infos = [dict(receiver_options, address=self.sender.address, rank=i + 1) for i in range(len(self.workers))]
+        # A worker may host several receivers (a vLLM engine with TP > 1: one per worker process); each
+        # worker gets the first of its consecutive ranks.
+        sizes = [int(a.get("workers", 1)) for a in addresses]
+        self.sender = WeightSender(cfg, num_receivers=sum(sizes))
+        firsts = [1 + sum(sizes[:i]) for i in range(len(sizes))]
+        infos = [dict(receiver_options, address=self.sender.address, rank=r) for r in firsts]
         refs = [w.init_weight_transfer_engine.remote(info) for w, info in zip(self.workers, infos)]
         _, out = self._phase("init_weight_transfer_engine", refs, self.sender.connect)
         return out
@@ -144,7 +148,7 @@ class RayRolloutClient:
                       "start_weight_update")
             self._get([w.update_weights.remote() for w in self.workers], "update_weights")
             receivers = self._get([w.finish_weight_update.remote() for w in self.workers], "finish_weight_update")
-            return replace(report, receivers=receivers)
+            return replace(report, receivers=_per_receiver(receivers))
         refs = [w.finish_weight_update.remote() for w in self.workers]
         report, _ = self._phase("finish_weight_update", refs, sender.finish_weight_update)
         return report
@@ -169,3 +173,11 @@ class RayRolloutClient:
             ray.kill(w)
         self.workers = []
         self._stores = []
+
+
+def _per_receiver(answers: list[Any]) -> list[Any]:
+    """Workers' finish answers, one per receiver: a worker hosting several (TP > 1) answers with a list."""
+    out: list[Any] = []
+    for a in answers:
+        out.extend(a if isinstance(a, list) else [a])
+    return out

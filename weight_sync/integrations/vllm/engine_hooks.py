@@ -12,7 +12,9 @@ call arguments. Three small wrappers, installed once per process by the plugin (
     ``reload_weights`` / ``finish_weight_update`` the prefix cache is reset (running requests are
     preempted, so their KV is recomputed with the new weights), the encoder cache too, and the engine's
     weight version becomes the committed update's version (when it has one) before the next step, so
-    ``weight_versions`` spans name the weights that sampled each token. When the user paused, vLLM's
+    ``weight_versions`` spans name the weights that sampled each token. A staged update's commit
+    (``ws_stage_commit``, integrations/vllm/staging.py) is such a commit and needs no hold: the RPC
+    itself runs between two steps (one that found nothing staged changes nothing). When the user paused, vLLM's
     pause owns all of that: no hold, no cache reset, no relabel - the mode and ``clear_cache`` of
     ``pause_generation`` decide, exactly as on plain vLLM. After a failed update either way: ask the
     workers whether the model is torn; if so, abort in-flight (also kept) requests and refuse new ones
@@ -48,7 +50,8 @@ __all__ = ["install_engine_hooks"]
 
 log = logging.getLogger(__name__)
 
-_COMMITS = frozenset({"reload_weights", "finish_weight_update"})
+# ws_sharded_update is a whole update in one RPC (integrations/vllm/sharded.py): a commit, no hold needed.
+_COMMITS = frozenset({"reload_weights", "finish_weight_update", "ws_stage_commit", "ws_sharded_update"})
 _SESSION_STEPS = frozenset({"start_weight_update", "start_draft_weight_update", "update_weights"})
 _INSTALLED = False
 # A worker of a multi-worker engine returns {RPC_ERROR_KEY: text} instead of raising (see worker.py):
@@ -192,6 +195,8 @@ def _wrap_pause_call(original: Any) -> Any:
 
 
 def _after_commit(core: Any, rpc: Any, method: str, result: Any) -> None:
+    if method == "ws_stage_commit" and not any(isinstance(r, dict) for r in (result or [])):
+        return  # nothing was staged: the weights did not change
     core._ws_torn = None
     draft = method == "finish_weight_update" and getattr(core, "_ws_draft_session", False)
     core._ws_draft_session = False
@@ -217,7 +222,7 @@ def _after_commit(core: Any, rpc: Any, method: str, result: Any) -> None:
 
 def _committed_version(core: Any, rpc: Any, method: str, result: Any) -> str | None:
     """The version the workers committed, as vLLM labels versions (a string); None if none was given."""
-    if method == "reload_weights":
+    if method in ("reload_weights", "ws_stage_commit"):
         answers = result if isinstance(result, list) else [result]
     else:
         try:

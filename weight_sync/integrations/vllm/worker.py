@@ -13,6 +13,12 @@ RPCs (all return JSON-able values):
 - ``ws_last_report(draft=False)``: the report of the model's (drafter's) last successful update, or None.
 - ``ws_status()``: ``{"torn": reason | None, "version": ..., "updating": bool}``, plus ``"draft"``
   (the same for the draft model) in engines with one.
+- ``ws_stage_init(address=..., ...)`` / ``ws_stage_commit(version=...)`` / ``ws_stage_status()`` /
+  ``ws_stage_close()``: updates staged while the engine generates, committed between two steps
+  (:mod:`~weight_sync.integrations.vllm.staging`).
+- ``ws_sharded_connect(address=..., engine_rank_offset=...)`` / ``ws_sharded_update()`` /
+  ``ws_sharded_close()``: this worker as one engine rank of the sharded data plane, receiving only its
+  shard (:mod:`~weight_sync.integrations.vllm.sharded`).
 
 ``start_draft_weight_update`` is vLLM's: the worker retargets the weight-transfer backend at the draft
 model for one session, which weight_sync validates, writes, commits and reports like any other.
@@ -29,7 +35,7 @@ import torch
 from torch import nn
 
 import weight_sync
-from weight_sync.errors import ConfigError
+from weight_sync.errors import ConfigError, UpdateStateError
 from weight_sync.integrations.vllm.handoff import as_handle, open_handoff
 from weight_sync.integrations.vllm.model_hooks import (
     kernel_fingerprint,
@@ -77,6 +83,7 @@ class WeightSyncWorkerMixin:
     model_runner: Any
     speculative_config: Any
     rank: int
+    _ws_staging: Any  # the WorkerStaging of ws_stage_init, or None
 
     # ------------------------------------------------------------------ setup
     @property
@@ -271,6 +278,45 @@ class WeightSyncWorkerMixin:
             if callable(fn):
                 fn()
 
+    # ------------------------------------------------------------------ staging (integrations/vllm/staging.py)
+    @_answers_every_rank
+    def ws_stage_init(self, address: str, rank_offset: int = 1, connect_timeout_s: float = 300.0,
+                      **staging: Any) -> dict[str, Any]:
+        """Build this worker's staging twin and listen for the sender at ``address`` on a thread of its
+        own; ``staging``: the fields of :class:`~weight_sync.reload.staged.StagingConfig`."""
+        from weight_sync.integrations.vllm.staging import WorkerStaging, check_staging_bound
+        from weight_sync.reload.staged import StagingConfig
+
+        config = StagingConfig(**staging)
+        check_staging_bound(self.get_model(), config)  # type: ignore[attr-defined]  # before the old twin goes
+        self.ws_stage_close()
+        pc = self.vllm_config.parallel_config
+        rank = rank_offset + pc.data_parallel_index * pc.world_size + self.rank
+        self._ws_staging = WorkerStaging(self, address, rank, config=config, connect_timeout_s=connect_timeout_s)
+        return self._ws_staging.status()
+
+    def _ws_stage(self, rpc: str) -> Any:
+        staging = getattr(self, "_ws_staging", None)
+        if staging is None:
+            raise UpdateStateError(f"{rpc}: staging is not set up on this worker; call ws_stage_init first")
+        return staging
+
+    @_answers_every_rank
+    def ws_stage_commit(self, version: int | str | None = None) -> dict[str, Any] | None:
+        """Make the staged version live (the engine core calls it between two steps); None if none."""
+        return self._ws_stage("ws_stage_commit").commit(version)
+
+    def ws_stage_status(self, version: int | str | None = None) -> dict[str, Any]:
+        """The worker's staging state (``WorkerStaging.status``)."""
+        return self._ws_stage("ws_stage_status").status(version)
+
+    def ws_stage_close(self) -> None:
+        """Stop this worker's staging listener and drop its twin (a no-op without one)."""
+        staging = getattr(self, "_ws_staging", None)
+        self._ws_staging = None
+        if staging is not None:
+            staging.close()
+
     # ------------------------------------------------------------------ extension RPCs
     def ws_fingerprint(self, draft: bool = False) -> str:
         """Fingerprint of the model's kernel tensors (KV caches excluded); the drafter's with ``draft``."""
@@ -297,6 +343,27 @@ class WeightSyncWorkerMixin:
                 status["torn"] = f"draft model: {draft_status['torn']}"
             status["updating"] = status["updating"] or draft_status["updating"]
         return status
+
+    # ------------------------------------------------------------------ sharded plane (integrations/vllm/sharded.py)
+    @_answers_every_rank
+    def ws_sharded_connect(self, address: str, engine_rank_offset: int = 0,
+                           connect_timeout_s: float = 300.0) -> dict[str, Any]:
+        """Join the trainer ranks' sharded transport as engine rank ``engine_rank_offset`` + this worker's."""
+        from weight_sync.integrations.vllm.sharded import connect_worker
+
+        return connect_worker(self, address, engine_rank_offset, connect_timeout_s)
+
+    @_answers_every_rank
+    def ws_sharded_update(self, timeout_s: float | None = None) -> dict[str, Any]:
+        """One whole sharded update (start, this worker's regions, commit on every engine rank or none)."""
+        from weight_sync.integrations.vllm.sharded import receive_on_worker
+
+        return receive_on_worker(self, timeout_s)
+
+    def ws_sharded_close(self) -> None:
+        from weight_sync.integrations.vllm.sharded import close_worker
+
+        close_worker(self)
 
 
 def _model_status(model: nn.Module) -> dict[str, Any]:
