@@ -23,6 +23,7 @@ from tests.integrations.vllm.conftest import (
     PROMPTS,
     checkpoint_items,
     driver_model,
+    multiprocessing_env,
     start_llm,
     stop_llm,
 )
@@ -285,3 +286,89 @@ def test_the_twin_is_refused_before_it_is_built_when_over_max_bytes_and_its_memo
         llm.collective_rpc("ws_stage_init", kwargs={"address": "127.0.0.1:1", "max_bytes": 1})
     status = client.status()[0]
     assert status["listening"] and status["num_bytes"] > 0 and size >= status["num_bytes"]
+
+
+@pytest.fixture(scope="module")
+def async_engine(vllm_ckpts: dict[str, Path]) -> Iterator[Any]:
+    """A multiprocess AsyncLLM on A with weight_sync (engine core and worker in their own process)."""
+    from tests.integrations.vllm.test_async_pause_mp import AsyncEngine
+
+    with multiprocessing_env(True):
+        eng = AsyncEngine(vllm_ckpts["a"], weight_sync=True)
+    try:
+        yield eng
+    finally:
+        eng.close()
+
+
+def test_a_multiprocess_asyncllm_streams_the_old_version_while_staging_and_commits_between_two_steps(
+    async_engine, vllm_ckpts
+) -> None:
+    import asyncio
+
+    from vllm import SamplingParams
+
+    from tests.integrations.vllm._async_oracle import LOGIT_TOLERANCE, KeptKVOracle
+    from tests.integrations.vllm.test_async_pause import _completion
+    from weight_sync.integrations.vllm import AsyncLLMControl
+    from weight_sync.integrations.vllm.staging import StagingClient
+    from weight_sync.transport import TransportConfig
+
+    engine, long_tokens = async_engine.engine, 96
+    transport = TransportConfig(backend="gloo", bucket_bytes=64 << 10, timeout_s=TIMEOUT_S)
+    client = StagingClient(AsyncLLMControl(engine, async_engine.loop, timeout_s=120), transport)
+    source = GatedSource(checkpoint_items(vllm_ckpts["b"]))
+    counts: dict[str, int] = {}
+
+    async def schedule() -> dict[str, Any]:
+        streamed = asyncio.Event()
+
+        async def request(rid: str, prompt: str, max_tokens: int, at: int | None = None) -> Any:
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+            final = None
+            async for out in engine.generate(prompt, params, request_id=rid):
+                final = out
+                if at is not None and len(out.outputs[0].token_ids) >= at:
+                    streamed.set()
+            return final
+
+        await asyncio.to_thread(client.connect)
+        running = asyncio.create_task(request("mp-long", PROMPTS[0], long_tokens, BEFORE))
+        await streamed.wait()
+        handle = client.push(source, version=5)
+        assert await asyncio.to_thread(source.reached.wait, 30)
+        # The engine keeps generating while the update is held mid-flight: wait for more tokens.
+        counts["at_release"] = len((await _progress(engine, "mp-in-flight", PROMPTS[0])).outputs[0].token_ids)
+        source.release.set()
+        await asyncio.to_thread(handle.wait, 60)
+        await asyncio.to_thread(client.commit, 5)
+        late = await request("mp-late", PROMPTS[0], MAX_TOKENS)
+        return {"long": _completion(await running), "late": _completion(late)}
+
+    try:
+        got = async_engine.run(schedule())
+        status = async_engine.run(engine.collective_rpc("ws_stage_status"))[0]
+    finally:
+        source.release.set()
+        async_engine.run(asyncio.to_thread(client.close))
+    oracle = KeptKVOracle(vllm_ckpts["a"], vllm_ckpts["b"])
+    long = got["long"]
+    assert long.spans is not None and long.spans[0][:2] == ("default", 0)
+    switch = long.spans[0][2]
+    assert long.spans[1:] in ([], [("5", switch, long_tokens)])
+    # Every token before the commit is A's, every one after it B's with the prefix recomputed.
+    assert max(oracle.deficits(long.prompt_ids, long.tokens, switch, kept=False)) <= LOGIT_TOLERANCE
+    assert counts["at_release"] == MAX_TOKENS and switch >= BEFORE
+    assert got["late"].spans == [("5", 0, MAX_TOKENS)]
+    assert max(oracle.deficits(got["late"].prompt_ids, got["late"].tokens, 0)) <= LOGIT_TOLERANCE
+    assert status["committed"] == 5 and status["pending"] is None
+
+
+async def _progress(engine: Any, rid: str, prompt: str) -> Any:
+    """A whole request generated while the update is held mid-flight (the engine did not stop for it)."""
+    from vllm import SamplingParams
+
+    final = None
+    async for out in engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), request_id=rid):
+        final = out
+    return final
