@@ -24,6 +24,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 NUM_TRAINERS = 2
 TIMEOUT_S = 60.0
+K_PROJ = "model.layers.1.self_attn.k_proj.weight"
 
 
 class FreshEngine:
@@ -57,12 +58,13 @@ def engine(vllm_ckpts: dict[str, Path]) -> Iterator[FreshEngine]:
         worker.shutdown()
 
 
-def fsdp_pieces(ckpt: Path, version: Any) -> tuple[list, list[dict], Any]:
-    """Holdings, each trainer rank's local pieces and the manifest of an FSDP layout of ``ckpt``."""
+def fsdp_pieces(ckpt: Path | list, version: Any) -> tuple[list, list[dict], Any]:
+    """Holdings, each trainer rank's local pieces and the manifest of an FSDP layout of ``ckpt`` (a
+    checkpoint directory, or its (name, tensor) items)."""
     from weight_sync.manifest import Manifest
     from weight_sync.transport.routes_layouts import fsdp_holdings
 
-    items = checkpoint_items(ckpt)
+    items = checkpoint_items(ckpt) if isinstance(ckpt, Path) else ckpt
     manifest = Manifest.from_named_tensors(items, version=version)
     full = dict(items)
     holdings = fsdp_holdings(manifest.tensors, NUM_TRAINERS)
@@ -179,3 +181,29 @@ def test_a_tp2_vllm_rollout_worker_on_the_broadcast_plane_gives_each_rank_the_fu
     finally:
         sender.close()
         pool.shutdown()
+
+
+def test_a_tp2_vllm_rollout_worker_refuses_a_bad_sharded_update_on_both_ranks_before_any_write(
+    engine, vllm_ckpts
+) -> None:
+    import torch
+
+    worker = engine.worker
+    trainers = Trainers()
+    bad = [(n, torch.zeros(7, 128, dtype=torch.bfloat16) if n == K_PROJ else t)
+           for n, t in checkpoint_items(vllm_ckpts["a"])]
+    holdings, local, manifest = fsdp_pieces(bad, 3)
+    try:
+        trainers.alongside(lambda: worker.connect_sharded(trainers.address), lambda r, s: s.connect())
+        sending = [trainers.pool.submit(s.send, holdings, local[r], manifest, version=3)
+                   for r, s in enumerate(trainers.senders)]
+        with pytest.raises(Exception, match=rf"{K_PROJ}.*\(64, 128\).*\(7, 128\)"):
+            worker.receive_update()
+        for f in sending:
+            with pytest.raises(Exception, match=r"start_weight_update failed on 4 of 4 ranks"):
+                f.result(timeout=2 * TIMEOUT_S)
+        assert worker.status() == {"torn": None, "version": 2, "updating": False}
+        engine.assert_fresh()
+    finally:
+        worker.close_sharded()
+        trainers.close()
