@@ -23,6 +23,7 @@ from tests.integrations.vllm.conftest import (
     PROMPTS,
     checkpoint_items,
     driver_model,
+    greedy,
     multiprocessing_env,
     start_llm,
     stop_llm,
@@ -372,3 +373,28 @@ async def _progress(engine: Any, rid: str, prompt: str) -> Any:
     async for out in engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), request_id=rid):
         final = out
     return final
+
+
+def test_an_fp8_engine_quantizes_the_staged_update_in_its_twin_as_a_direct_reload_would(vllm_ckpts) -> None:
+    from weight_sync.integrations.vllm import LLMControl
+    from weight_sync.integrations.vllm.staging import StagingClient
+
+    # Per-tensor fp8 takes one dynamic activation scale over the batch, so a prefix-cache hit (a shorter
+    # prefill) changes tokens: every run here computes its whole prompt.
+    llm = start_llm(vllm_ckpts["a"], quantization="fp8", options={"cpu_fp8_fallback": True},
+                    enable_prefix_caching=False)
+    try:
+        served_a = greedy(llm)
+        with StagingClient(LLMControl(llm)) as staging:
+            staging.connect()
+            staging.push(checkpoint_items(vllm_ckpts["b"]), version=2).wait(60)
+            while_staged = greedy(llm)
+            staging.commit(version=2)
+            staged = (greedy(llm), llm.collective_rpc("ws_fingerprint")[0])
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": str(vllm_ckpts["b"])})
+        llm.reset_prefix_cache()
+        direct = (greedy(llm), llm.collective_rpc("ws_fingerprint")[0])
+    finally:
+        stop_llm(llm)
+    assert while_staged == served_a
+    assert staged == direct and staged[0] != served_a

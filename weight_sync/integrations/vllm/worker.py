@@ -306,10 +306,12 @@ class WeightSyncWorkerMixin:
         """Make the staged version live (the engine core calls it between two steps); None if none."""
         return self._ws_stage("ws_stage_commit").commit(version)
 
+    @_answers_every_rank
     def ws_stage_status(self, version: int | str | None = None) -> dict[str, Any]:
         """The worker's staging state (``WorkerStaging.status``)."""
         return self._ws_stage("ws_stage_status").status(version)
 
+    @_answers_every_rank
     def ws_stage_close(self) -> None:
         """Stop this worker's staging listener and drop its twin (a no-op without one)."""
         staging = getattr(self, "_ws_staging", None)
