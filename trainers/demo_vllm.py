@@ -95,7 +95,10 @@ def _engine_args(config: DemoConfig) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def _in_process() -> Iterator[None]:
-    """Build ``vllm.LLM`` engines in this process (the engine core starts in ~3 s instead of ~20 s)."""
+    """Build ``vllm.LLM`` engines in this process: the fresh engines of the fingerprint checks start in ~3 s
+    instead of ~20 s. (The demo's own engine is an AsyncLLM in a process of its own: shutting an
+    in-process engine down tears down this process's vLLM parallel state, which another in-process
+    engine would still be using.)"""
     key = "VLLM_ENABLE_V1_MULTIPROCESSING"
     before = os.environ.get(key)
     os.environ[key] = "0"
