@@ -317,9 +317,10 @@ def _update_under_pause(eng: VLLMDemoEngine, sender: Any, version: int) -> float
     """One update while generation is paused (in-flight requests kept with their KV); seconds paused.
 
     The pause spans the whole update: transfer, processing (fp8 requantization) and the copy into the
-    live tensors. Hook for stage-while-generating (weight_sync.integrations.vllm.staging, in progress):
-    the transfer and processing would move before ``pause_generation``, into staging while the engine
-    keeps generating with the committed weights, and only the commit would remain inside the pause.
+    live tensors. Hook for stage-while-generating (``weight_sync.integrations.vllm.staging``, not used
+    here): ``StagingClient.push(weights, version=v)`` before ``pause_generation``, while the engine keeps
+    generating with the committed weights, ``handle.wait()``, and only ``StagingClient.commit(version=v)``
+    inside the pause.
     """
     t0 = time.perf_counter()
     eng.run(eng.engine.pause_generation(mode="keep", clear_cache=False))
