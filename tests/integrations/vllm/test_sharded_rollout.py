@@ -207,3 +207,53 @@ def test_a_tp2_vllm_rollout_worker_refuses_a_bad_sharded_update_on_both_ranks_be
     finally:
         worker.close_sharded()
         trainers.close()
+
+
+@pytest.mark.ray
+def test_ray_trainer_actors_sync_a_tp2_vllm_engine_actor_each_worker_receiving_its_shard(
+    vllm_ckpts, tmp_path: Path
+) -> None:
+    ray = pytest.importorskip("ray")
+    from safetensors.torch import load_file, save_file
+
+    from trainers.ray_scale import RayScaleOut
+
+    def stepped(scales: list[float]) -> str:
+        """The checkpoint after the trainers' steps, whole: what the engine should equal."""
+        full = load_file(str(vllm_ckpts["a"] / "model.safetensors"))
+        for t in full.values():
+            for s in scales:
+                t.add_(s)
+        out = tmp_path / f"v{len(scales)}"
+        out.mkdir()
+        save_file(full, str(out / "model.safetensors"))
+        return str(out)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RAY_USAGE_STATS_ENABLED", "0")
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        job = RayScaleOut.launch(
+            str(vllm_ckpts["a"]), num_trainers=2, num_engines=1, tp_size=2, num_cpus=0.5, engine="vllm",
+            llm_kwargs=ENGINE_ARGS,
+            engine_env={"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+            config={"bucket_bytes": 64 << 10, "timeout_s": TIMEOUT_S, "mode": "sharded"})
+        try:
+            joined = job.connect()
+            assert [c["engine_rank"] for c in joined] == [0, 1] and joined[0]["pid"] != joined[1]["pid"]
+            scales: list[float] = []
+            for version in (1, 2):
+                scales.append(0.01 * version)
+                job.train_step(scales[-1])
+                out = job.sync(version)
+                assert [(e["engine_rank"], e["version"], e["mode"]) for e in out["engines"]] == [
+                    (0, version, "sharded"), (1, version, "sharded")]
+                for e in out["engines"]:
+                    received = sum(e["region_bytes"].values())
+                    assert received == tp_shard_bytes(vllm_ckpts["a"]) == sum(
+                        t["region_bytes"][e["engine_rank"]] for t in out["trainers"])
+                assert job.engine_rpc("differs_from", stepped(scales)) == [[]]
+        finally:
+            job.shutdown()
+    finally:
+        ray.shutdown()

@@ -114,15 +114,16 @@ class VLLMRolloutWorker:
         return self._per_worker(self._rpc_all("ws_last_report"))
 
     # ------------------------------------------------------------------ the sharded plane
-    def connect_sharded(self, address: str, engine_rank_offset: int = 0,
-                        connect_timeout_s: float = 300.0) -> list[dict[str, Any]]:
+    def connect_sharded(self, address: str, engine_rank_offset: int = 0, connect_timeout_s: float = 300.0,
+                        rollback: bool | None = None) -> list[dict[str, Any]]:
         """Join the trainer ranks' sharded transport at ``address``: the workers become engine ranks
         ``engine_rank_offset ..`` (one per TP rank); returns each one's ``engine_rank`` and wire backend.
+        ``rollback``: whether a failed update restores the previous weights (default: the engine's option).
 
         Blocks until every rank of the transport has joined: call it while the trainer ranks connect.
         """
         return self._rpc_all("ws_sharded_connect", {"address": address, "engine_rank_offset": engine_rank_offset,
-                                                    "connect_timeout_s": connect_timeout_s})
+                                                    "connect_timeout_s": connect_timeout_s, "rollback": rollback})
 
     def receive_update(self, timeout_s: float | None = None) -> list[dict[str, Any]]:
         """One sharded update as the trainer ranks send it (call it while they send): every worker

@@ -23,6 +23,7 @@ must not be open at the same time.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from weight_sync.errors import ConfigError, UpdateStateError
@@ -41,11 +42,12 @@ def engine_rank_of(worker: Any, engine_rank_offset: int) -> int:
     return engine_rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
 
 
-def connect_worker(worker: Any, address: str, engine_rank_offset: int = 0,
-                   connect_timeout_s: float = 300.0) -> dict[str, Any]:
+def connect_worker(worker: Any, address: str, engine_rank_offset: int = 0, connect_timeout_s: float = 300.0,
+                   rollback: bool | None = None) -> dict[str, Any]:
     """Join the sharded transport at ``address`` (trainer rank 0's store) as this worker's engine rank.
 
     Blocks until every rank of the transport joined (the trainer ranks connect at the same time).
+    ``rollback``: whether a failed update restores the previous weights (default: the engine's option).
     """
     from weight_sync.integrations.vllm.options import WeightSyncOptions
     from weight_sync.transport.sharded_receiver import ShardedReceiver
@@ -57,7 +59,7 @@ def connect_worker(worker: Any, address: str, engine_rank_offset: int = 0,
     rank = engine_rank_of(worker, engine_rank_offset)
     receiver = ShardedReceiver(
         worker.get_model(), address, rank,
-        rollback=opts.rollback,
+        rollback=opts.rollback if rollback is None else rollback,
         budget_bytes=opts.budget_bytes,
         # The session's own fingerprint would hash KV caches; the report gets ours (kernel tensors only).
         fingerprint=False,
@@ -68,7 +70,7 @@ def connect_worker(worker: Any, address: str, engine_rank_offset: int = 0,
     log.info("[rank %d] joined the sharded transport at %s as engine rank %d of %d", worker.rank, address, rank,
              config.num_engine_ranks)
     return {"engine_rank": rank, "tp_rank": worker.rank, "num_engine_ranks": config.num_engine_ranks,
-            "backend": config.backend}
+            "backend": config.backend, "pid": os.getpid()}
 
 
 def receive_on_worker(worker: Any, timeout_s: float | None = None) -> dict[str, Any]:

@@ -348,12 +348,12 @@ class WeightSyncWorkerMixin:
 
     # ------------------------------------------------------------------ sharded plane (integrations/vllm/sharded.py)
     @_answers_every_rank
-    def ws_sharded_connect(self, address: str, engine_rank_offset: int = 0,
-                           connect_timeout_s: float = 300.0) -> dict[str, Any]:
+    def ws_sharded_connect(self, address: str, engine_rank_offset: int = 0, connect_timeout_s: float = 300.0,
+                           rollback: bool | None = None) -> dict[str, Any]:
         """Join the trainer ranks' sharded transport as engine rank ``engine_rank_offset`` + this worker's."""
         from weight_sync.integrations.vllm.sharded import connect_worker
 
-        return connect_worker(self, address, engine_rank_offset, connect_timeout_s)
+        return connect_worker(self, address, engine_rank_offset, connect_timeout_s, rollback)
 
     @_answers_every_rank
     def ws_sharded_update(self, timeout_s: float | None = None) -> dict[str, Any]:
@@ -362,6 +362,7 @@ class WeightSyncWorkerMixin:
 
         return receive_on_worker(self, timeout_s)
 
+    @_answers_every_rank
     def ws_sharded_close(self) -> None:
         from weight_sync.integrations.vllm.sharded import close_worker
 
