@@ -191,6 +191,36 @@ def test_tokens_are_the_old_versions_while_staging_and_the_new_versions_from_the
     assert fingerprint == kernel_fingerprint(driver_model(fresh_b))
 
 
+def test_a_commit_under_a_keep_pause_continues_the_kept_requests_on_their_old_kv_and_labels_the_new_version(
+    engines, client, vllm_ckpts
+) -> None:
+    from tests.integrations.vllm._async_oracle import LOGIT_TOLERANCE, KeptKVOracle
+
+    llm = engines["ws"]
+    core = _core(llm)
+
+    def commit_under_pause() -> None:
+        client.push(checkpoint_items(vllm_ckpts["b"]), version=4).wait(60)
+        core.pause_scheduler(mode="keep", clear_cache=False)
+        client.commit(version=4)
+        core.resume_scheduler()
+
+    try:
+        got = run_schedule(llm, "kept", None, **{f"after_{BEFORE}": commit_under_pause})
+    finally:
+        _back_to_a(llm, vllm_ckpts["a"])
+    oracle = KeptKVOracle(vllm_ckpts["a"], vllm_ckpts["b"])
+    for name in ("p0", "p1"):
+        prompt_ids, tokens, spans = got[name]
+        assert spans == [("default", 0, BEFORE), ("4", BEFORE, MAX_TOKENS)]
+        # A's KV for the prefix, B's weights from the first token after the commit on; not recomputed.
+        assert max(oracle.deficits(prompt_ids, tokens, BEFORE)) <= LOGIT_TOLERANCE
+        assert max(oracle.deficits(prompt_ids, tokens, BEFORE, kept=False)) > 4 * LOGIT_TOLERANCE
+    late_ids, late, late_spans = got["late"]
+    assert late_spans == [("4", 0, MAX_TOKENS)]
+    assert late == fresh_continuation(engines["fresh_b"], late_ids, [], MAX_TOKENS)
+
+
 def _bad_shape(items: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
     name = "model.layers.0.mlp.down_proj.weight"
     return [(n, torch.zeros(128, 7, dtype=torch.bfloat16) if n == name else t) for n, t in items]
@@ -282,7 +312,8 @@ def test_the_twin_is_refused_before_it_is_built_when_over_max_bytes_and_its_memo
     engines, client
 ) -> None:
     llm = engines["ws"]
-    size = client.status()[0]["estimate_bytes"]
+    [connected] = client.connect()
+    size = connected["estimate_bytes"]
     with pytest.raises(Exception, match=rf"about {size} bytes, over StagingConfig.max_bytes=1"):
         llm.collective_rpc("ws_stage_init", kwargs={"address": "127.0.0.1:1", "max_bytes": 1})
     status = client.status()[0]

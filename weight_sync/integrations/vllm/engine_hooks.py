@@ -14,7 +14,8 @@ call arguments. Three small wrappers, installed once per process by the plugin (
     weight version becomes the committed update's version (when it has one) before the next step, so
     ``weight_versions`` spans name the weights that sampled each token. A staged update's commit
     (``ws_stage_commit``, integrations/vllm/staging.py) is such a commit and needs no hold: the RPC
-    itself runs between two steps (one that found nothing staged changes nothing). When the user paused, vLLM's
+    itself runs between two steps (one that found nothing staged changes nothing), and it relabels the
+    engine's version even under a user's pause (no vLLM call carries its label). When the user paused, vLLM's
     pause owns all of that: no hold, no cache reset, no relabel - the mode and ``clear_cache`` of
     ``pause_generation`` decide, exactly as on plain vLLM. After a failed update either way: ask the
     workers whether the model is torn; if so, abort in-flight (also kept) requests and refuse new ones
@@ -204,6 +205,10 @@ def _after_commit(core: Any, rpc: Any, method: str, result: Any) -> None:
         # vLLM's documented pause semantics: abort / wait left nothing running, keep froze the running
         # requests with their KV, and clear_cache=True already cleared the caches when the pause
         # completed. Resetting here would preempt kept requests that the user asked to continue.
+        if method == "ws_stage_commit":
+            # No vLLM call carries a staged commit's label (as finish_weight_update(weight_version=...)
+            # does for the RL API): the version the user committed is it.
+            _relabel(core, rpc, method, result)
         _release(core)  # a pause that came during the hold: its state, not UNPAUSED
         return
     # Blocks cached under the old weights must never be hit again; requests already running are
@@ -214,10 +219,14 @@ def _after_commit(core: Any, rpc: Any, method: str, result: Any) -> None:
     if not draft:
         # AsyncLLM.finish_weight_update(weight_version=...) sets the label in a later engine-core call;
         # the scheduler may step in between, and those tokens would carry the old label.
-        version = _committed_version(core, rpc, method, result)
-        if version is not None:
-            core._weight_version = version
+        _relabel(core, rpc, method, result)
     _release(core)
+
+
+def _relabel(core: Any, rpc: Any, method: str, result: Any) -> None:
+    version = _committed_version(core, rpc, method, result)
+    if version is not None:
+        core._weight_version = version
 
 
 def _committed_version(core: Any, rpc: Any, method: str, result: Any) -> str | None:

@@ -210,31 +210,31 @@ class WorkerStaging:
         """Receive every update the sender starts into the twin, until closed or the transport breaks."""
         from vllm.config import set_current_vllm_config
 
-        # Processors may read the current vLLM config (as in the worker's own reload); the engine core's
-        # thread does not consult it while stepping.
-        with set_current_vllm_config(self.worker.vllm_config):
-            while not self._stop.is_set():
-                try:
-                    posted = _start_posted(self.receiver)
-                except Exception as e:  # the sender's store is gone: the trainer died between updates
-                    self._failed(e, broken=f"the sender's store is unreachable: {e}")
-                    return
-                if not posted:
-                    self._stop.wait(_POLL_S)
-                    continue
-                self._set_receiving(True)
-                try:
+        while not self._stop.is_set():
+            try:
+                posted = _start_posted(self.receiver)
+            except Exception as e:  # the sender's store is gone: the trainer died between updates
+                self._failed(e, broken=f"the sender's store is unreachable: {e}")
+                return
+            if not posted:
+                self._stop.wait(_POLL_S)
+                continue
+            self._set_receiving(True)
+            try:
+                # Processors may read the current vLLM config (as in the worker's own reload; the
+                # setting is process-wide, and the engine core's thread does not consult it to step).
+                with set_current_vllm_config(self.worker.vllm_config):
                     report = self.receiver.receive_update()
-                except Exception as e:  # agreed by every rank; the twin's session was aborted
-                    self._failed(e)
-                    if self.broken is not None:
-                        return
-                    continue
-                finally:
-                    self._set_receiving(False)
-                self.num_staged += 1
-                self.last_error = None
-                log.info("[rank %d] staged update %r: %s", self.receiver.rank, report.version, report.summary())
+            except Exception as e:  # agreed by every rank; the twin's session was aborted
+                self._failed(e)
+                if self.broken is not None:
+                    return
+                continue
+            finally:
+                self._set_receiving(False)
+            self.num_staged += 1
+            self.last_error = None
+            log.info("[rank %d] staged update %r: %s", self.receiver.rank, report.version, report.summary())
 
     def _set_receiving(self, value: bool) -> None:
         with self._idle:
@@ -352,9 +352,10 @@ class StagingClient:
         s = self.staging
         kwargs = {"address": self.sender.address, "rank_offset": 1, "placement": s.placement,
                   "device_budget_bytes": s.device_budget_bytes, "max_bytes": s.max_bytes, "pin_host": s.pin_host}
-        sender = self.sender
-        return run_phase(self._pool, self.rpc_timeout_s, "ws_stage_init",
-                         lambda: self.control.collective_rpc("ws_stage_init", kwargs), sender.connect) or []
+        answers: list[dict[str, Any]] = []
+        run_phase(self._pool, self.rpc_timeout_s, "ws_stage_init",
+                  lambda: answers.extend(self.control.collective_rpc("ws_stage_init", kwargs)), self.sender.connect)
+        return answers
 
     def _sender(self) -> WeightSender:
         if self.sender is None:
