@@ -209,6 +209,53 @@ def test_a_tp2_vllm_rollout_worker_refuses_a_bad_sharded_update_on_both_ranks_be
         trainers.close()
 
 
+
+def test_a_corrupted_bucket_fails_the_sharded_update_on_every_rank_and_the_torn_engine_refuses_until_the_next(
+    engine, vllm_ckpts, monkeypatch
+) -> None:
+    import itertools
+
+    from weight_sync.errors import TornModelError
+    from weight_sync.transport import sharded
+
+    worker = engine.worker
+    trainers = Trainers()
+    sealed = itertools.count(1)
+    seal = sharded._trailer
+
+    def corrupt_the_fifth(buf: Any, bucket: Any, digest: int) -> None:
+        # The trainer ranks run in this process: their fifth bucket leaves with a byte flipped after its
+        # checksum was taken, once earlier buckets have been written on the engine ranks.
+        seal(buf, bucket, digest)
+        if next(sealed) == 5:
+            buf[:1].bitwise_not_()
+
+    try:
+        trainers.alongside(lambda: worker.connect_sharded(trainers.address), lambda r, s: s.connect())
+        holdings, local, manifest = fsdp_pieces(vllm_ckpts["a"], 4)
+        monkeypatch.setattr(sharded, "_trailer", corrupt_the_fifth)
+        sending = [trainers.pool.submit(s.send, holdings, local[r], manifest, version=4)
+                   for r, s in enumerate(trainers.senders)]
+        with pytest.raises(Exception, match=r"checksum mismatch"):
+            worker.receive_update()
+        for f in sending:
+            with pytest.raises(Exception, match=r"checksum mismatch"):
+                f.result(timeout=2 * TIMEOUT_S)
+        monkeypatch.setattr(sharded, "_trailer", seal)
+        assert worker.status()["torn"] is not None
+        with pytest.raises(TornModelError, match=r"refused"):
+            greedy(worker.llm)
+        holdings, local, manifest = fsdp_pieces(vllm_ckpts["b"], 5)
+        ranks, _ = trainers.alongside(
+            worker.receive_update, lambda r, s: s.send(holdings, local[r], manifest, version=5))
+        assert [x["version"] for x in ranks] == [5, 5]
+        assert worker.status() == {"torn": None, "version": 5, "updating": False}
+        engine.assert_fresh()
+    finally:
+        worker.close_sharded()
+        trainers.close()
+
+
 @pytest.mark.ray
 def test_ray_trainer_actors_sync_a_tp2_vllm_engine_actor_each_worker_receiving_its_shard(
     vllm_ckpts, tmp_path: Path
