@@ -139,7 +139,26 @@ def carry_kernel_state(src: nn.Module, dst: nn.Module) -> None:
         for key, value in vars(info.module).items():
             if key in info.initial_attrs or isinstance(value, (torch.Tensor, nn.Module)):
                 continue
+            if _refers_to_a_module(value):
+                # Moved into the other model it would keep computing with this model's layer.
+                raise ConfigError(
+                    f"staging: {name}.{key} ({type(value).__name__}) is bound to or closes over a module; "
+                    "its kernel state cannot move between the staging twin and the live model"
+                )
             target.__dict__[key] = value
+
+
+def _refers_to_a_module(value: Any) -> bool:
+    """Whether a callable is a bound method of a module or a closure over one (one level deep)."""
+    if isinstance(getattr(value, "__self__", None), nn.Module):
+        return True
+    for cell in getattr(value, "__closure__", None) or ():
+        try:
+            if isinstance(cell.cell_contents, nn.Module):
+                return True
+        except ValueError:  # an empty cell (a variable assigned after the closure was made)
+            continue
+    return False
 
 
 def check_staging_bound(live: nn.Module, config: StagingConfig) -> int:
