@@ -43,3 +43,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords or "multi_gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def staged_fp8(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp8 linears without bands: every processed layer is staged whole and processed at its last key
+    (as per-tensor layers split over a TP group are), for tests of staging, budgets and spilling."""
+    from weight_sync.quant import Fp8LinearMethod
+
+    monkeypatch.setattr(Fp8LinearMethod, "row_bands", lambda self, layer, name, shape: None)

@@ -76,6 +76,20 @@ for (granularity, block), names in by_config.items():
     quantize_fp8_grouped(items, granularity, block, FP8_MAX, _EPS)
     for n, (_, q, s) in zip(names, items):
         out[n]["grouped"] = (q, s)
+# The grouped per-tensor kernels: every tensor case as a matrix of up to three row bands, all in one call.
+from weight_sync.quant.fp8_grouped import quantize_fp8_matrices_grouped
+matrices, names = [], []
+for name, c in cases.items():
+    w = c["w"]
+    if c["granularity"] == "tensor" and w.numel() and w.stride(1) == 1:
+        n = w.shape[0]
+        q, s = torch.empty(w.shape, dtype=torch.float8_e4m3fn), torch.empty(1)
+        cuts = sorted({0, n // 3, 2 * n // 3, n})
+        matrices.append([(w[a:b], q[a:b], s) for a, b in zip(cuts, cuts[1:]) if b > a])
+        names.append(name)
+quantize_fp8_matrices_grouped(matrices, FP8_MAX, _EPS)
+for name, bands in zip(names, matrices):
+    out[name]["matrix"] = (torch.cat([q for _, q, _ in bands]), bands[0][2])
 torch.save(out, sys.argv[2])
 """
 
@@ -94,6 +108,10 @@ def _cases() -> dict[str, dict[str, Any]]:
             seed += 1
             cases[f"special-{granularity}{block}-{dt}"] = {
                 "w": special_weight((200, 300), dtype, seed), "granularity": granularity, "block": block}
+        for shape in ((200, 300), (129, 129), (256, 384)):  # per-tensor: absmax + cast, one weight or bands of it
+            seed += 1
+            cases[f"tensor-{dt}-{shape}"] = {"w": random_weight(shape, dtype, seed), "granularity": "tensor",
+                                             "block": (128, 128)}
     # Rows longer than one 128x128 tile: per-channel scales over a column loop (two reads).
     long = random_weight((5, 20000), torch.bfloat16, 100)
     long[1, 7777], long[2, 19999], long[3, 5] = float("nan"), float("inf"), -0.0
@@ -139,6 +157,18 @@ def test_the_grouped_kernel_quantizes_every_weight_of_one_launch_bitwise_like_th
 ) -> None:
     case, (q, s) = CASES[name], interpreted[name]["grouped"]
     ref_q, ref_s = quantize_fp8(case["w"], Fp8Config(granularity=case["granularity"], block_size=case["block"]))
+    assert_same_bits(q, s, ref_q, ref_s, name)
+
+
+MATRICES = [n for n, c in CASES.items() if c["granularity"] == "tensor" and c["w"].numel() and c["w"].stride(1) == 1]
+
+
+@needs_triton
+@pytest.mark.parametrize("name", MATRICES)
+def test_the_grouped_per_tensor_kernels_quantize_a_matrix_given_as_bands_like_the_whole(name: str,
+                                                                                         interpreted) -> None:
+    case, (q, s) = CASES[name], interpreted[name]["matrix"]
+    ref_q, ref_s = quantize_fp8(case["w"], Fp8Config(granularity="tensor"))
     assert_same_bits(q, s, ref_q, ref_s, name)
 
 

@@ -62,3 +62,25 @@ def test_band_quantized_layers_on_cuda_are_written_in_grouped_launches_bitwise_l
         assert_bitwise_equal(engine.model, fresh.model)
         assert engine.generate(PROMPTS, 4) == fresh.generate(PROMPTS, 4)
         assert engine._graph is graph
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_per_tensor_matrices_on_cuda_are_quantized_in_two_grouped_launches_bitwise_like_a_fresh_load(arch) -> None:
+    from weight_sync import Manifest, begin_update
+    from weight_sync.testing import hf_config, random_weights
+
+    cfg = hf_config(arch, "tiny")
+    engine = ReferenceEngine.from_config(cfg, weights=random_weights(cfg, seed=0, device="cuda"), device="cuda",
+                                         quantization="fp8_per_tensor", use_cuda_graph=False)
+    for seed in (1, 2):
+        items = list(random_weights(cfg, seed=seed, device="cuda"))
+        half = len(items) // 2  # one matrix likely straddles the two buckets: its first bands are copied
+        with begin_update(engine.model, Manifest.from_named_tensors(items)) as s:
+            s.load(items[:half])
+            s.load(items[half:])
+        assert s.report is not None and set(s.report.layers_banded) == set(s.report.layers_processed)
+        fresh = ReferenceEngine.from_config(cfg, weights=random_weights(cfg, seed=seed, device="cuda"),
+                                            device="cuda", quantization="fp8_per_tensor", use_cuda_graph=False)
+        assert_bitwise_equal(engine.model, fresh.model)
+    torch.cuda.synchronize()

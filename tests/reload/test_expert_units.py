@@ -39,8 +39,26 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
-@pytest.mark.parametrize("quant", [None, "fp8", "fp8_block"])
-def test_reload_processes_each_expert_when_its_keys_arrive_bitwise_equal_to_fresh(quant, ckpts) -> None:
+@pytest.fixture
+def units_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Per-tensor fp8 experts through the per-unit path: the method offers no bands (as with experts
+    split over a TP group, whose scales are reduced expert by expert)."""
+    monkeypatch.setattr(Fp8FusedMoEMethod, "row_bands", None)
+
+
+@pytest.mark.parametrize("quant", [None, "fp8", "fp8-units", "fp8_block"])
+def test_reload_processes_each_expert_when_its_keys_arrive_bitwise_equal_to_fresh(quant, ckpts, request) -> None:
+    if quant == "fp8-units":
+        request.getfixturevalue("units_only")
+        quant = "fp8"
+    elif quant == "fp8":
+        # Per-tensor scales per expert: each expert's bands are quantized together once its rows are
+        # all there, straight from the caller's tensors (reload/writes.py): no unit staging.
+        engine = ReferenceEngine.from_checkpoint(ckpts["a"], quantization=quant)
+        report = engine.reload_weights(ckpts["b"])
+        assert_bitwise_equal(engine.model, ReferenceEngine.from_checkpoint(ckpts["b"], quantization=quant).model)
+        assert set(EXPERTS) <= set(report.layers_banded) and report.units_processed == 0
+        return
     engine = ReferenceEngine.from_checkpoint(ckpts["a"], quantization=quant)
     first = engine.last_report
     fresh = ReferenceEngine.from_checkpoint(ckpts["b"], quantization=quant)
@@ -58,16 +76,21 @@ def test_reload_processes_each_expert_when_its_keys_arrive_bitwise_equal_to_fres
     assert report.spilled_bytes == 0
 
 
-@pytest.mark.parametrize("quant", ["fp8", "fp8_block"])
-def test_a_stream_in_block_order_buffers_at_most_one_experts_staging(quant, ckpts) -> None:
+@pytest.mark.parametrize("quant", ["fp8", "fp8-units", "fp8_block"])
+def test_a_stream_in_block_order_buffers_at_most_one_experts_staging(quant, ckpts, request) -> None:
+    units = quant == "fp8-units"
+    if units:
+        request.getfixturevalue("units_only")
+        quant = "fp8"
     engine = ReferenceEngine.from_checkpoint(ckpts["wide_a"], quantization=quant)
     report = engine.reload_weights(ckpts["wide_b"])
     one = _expert_bytes(128, 128)
-    if quant == "fp8_block":
-        # Tile-aligned experts are quantized key by key into their kernel tensors: no expert staging.
-        assert set(EXPERTS) <= set(report.layers_banded) and report.peak_buffered_bytes < one
-    else:
+    if units:
         assert report.peak_buffered_bytes == one  # 98304 bytes; the whole experts layer is 8x that
+    else:
+        # Tile-aligned block experts are quantized key by key; a per-tensor expert holds copies of its
+        # gate half until its up half arrives (a streamed checkpoint's tensors are copied at once).
+        assert set(EXPERTS) <= set(report.layers_banded) and report.peak_buffered_bytes < one
     assert_bitwise_equal(engine.model, ReferenceEngine.from_checkpoint(ckpts["wide_b"], quantization=quant).model)
     # The tiny preset: one expert (49152 bytes) plus the non-expert layer in flight bound the peak.
     tiny = ReferenceEngine.from_checkpoint(ckpts["a"], quantization=quant)
@@ -77,7 +100,8 @@ def test_a_stream_in_block_order_buffers_at_most_one_experts_staging(quant, ckpt
     assert peak <= _expert_bytes(128, 64) + others and peak < layers[EXPERTS[0]]
 
 
-def test_an_out_of_order_stream_keeps_experts_within_the_budget_and_spills_the_rest(ckpts, caplog) -> None:
+def test_an_out_of_order_stream_keeps_experts_within_the_budget_and_spills_the_rest(ckpts, caplog,
+                                                                                   units_only) -> None:
     engine = ReferenceEngine.from_checkpoint(ckpts["a"], quantization="fp8")
     items = list(iter_checkpoint(ckpts["b"]))
     random.Random(0).shuffle(items)
@@ -96,6 +120,7 @@ class _LayerWideFp8(Fp8FusedMoEMethod):
     """An experts method whose processing needs all experts at once: it offers no per-expert hook."""
 
     process_units = None  # type: ignore[assignment]
+    row_bands = None  # type: ignore[assignment]
 
 
 def test_a_layer_wide_processor_falls_back_to_layer_completion_with_spill(ckpts, monkeypatch) -> None:
@@ -140,12 +165,19 @@ def test_a_failure_after_some_experts_rolls_back_bitwise_or_tears_the_experts_la
         assert_bitwise_equal(engine.model, ReferenceEngine.from_checkpoint(ckpts["b"], quantization="fp8").model)
 
 
-def test_a_failure_before_any_expert_completes_tears_nothing(ckpts) -> None:
+@pytest.mark.parametrize("path", ["units", "banded"])
+def test_a_failure_before_any_expert_completes_tears_nothing(path, ckpts, request) -> None:
+    if path == "units":
+        request.getfixturevalue("units_only")
     engine = ReferenceEngine.from_checkpoint(ckpts["a"], quantization="fp8")
     before = engine.fingerprint()
     items = _layer0_experts_first(ckpts["b"])
     s = engine.begin_update(Manifest.from_named_tensors(items))
-    s.load(items[:2])  # expert 0's first two keys: staged, never written into the live tensors
+    if path == "units":
+        s.load(items[:2])  # expert 0's first two keys: staged, never written into the live tensors
+    else:
+        # Expert 0's gate half: its w13 matrix waits for the up half, nothing is quantized yet.
+        s.load([i for i in items if i[0] == f"{EXPERTS[0]}.0.gate_proj.weight"])
     s.abort("the trainer went away")
     assert torn_reason(engine.model) is None and engine.fingerprint() == before
 

@@ -39,7 +39,13 @@ def test_an_fp8_reload_quantizes_into_the_live_tensors_and_equals_a_fresh_load(g
     weights = list(random_weights(cfg, seed=1))
     with begin_update(engine.model, Manifest.from_named_tensors(weights)) as s:
         s.load((n, t.clone()) for n, t in weights)
-    assert calls and all(calls), calls
+    if granularity == "tensor":
+        # Per-tensor scales: each matrix's bands are quantized together, in the live rows (writes.py);
+        # quantize_fp8 never runs on a staged whole.
+        assert not calls and s.report is not None and s.report.layers_banded
+        assert {p.untyped_storage().data_ptr() for p in engine.model.parameters()} == live
+    else:
+        assert calls and all(calls), calls
     twin, _ = _fp8_engine(granularity)
     with begin_update(twin.model, Manifest.from_named_tensors(weights)) as s2:
         s2.load(weights)

@@ -82,7 +82,8 @@ def test_report_records_direct_and_processed_layers_and_replays_the_plan(qwen3_a
 
 
 @pytest.mark.parametrize("order", ["reversed", "interleaved", "shuffled"])
-def test_out_of_order_streams_give_the_same_bytes_within_the_budget(order, qwen3_a, qwen3_b, caplog) -> None:
+def test_out_of_order_streams_give_the_same_bytes_within_the_budget(order, qwen3_a, qwen3_b, caplog,
+                                                                   staged_fp8) -> None:
     fresh_b = ReferenceEngine.from_checkpoint(qwen3_b, quantization="fp8")
     items = _tensors(qwen3_b)
     if order == "reversed":
@@ -102,14 +103,32 @@ def test_out_of_order_streams_give_the_same_bytes_within_the_budget(order, qwen3
     assert "bytes" in warnings[0] and "model.layers." in warnings[0]
 
 
-def test_a_budget_smaller_than_pending_layers_spills_to_host_and_stays_exact(qwen3_a, qwen3_b) -> None:
-    # Per-tensor scales: every processed layer is staged whole (per-channel layers would be quantized key
-    # by key, with no staging to spill).
+def test_a_budget_smaller_than_pending_layers_spills_to_host_and_stays_exact(qwen3_a, qwen3_b, staged_fp8) -> None:
+    # Staged whole (bands would quantize each matrix when its rows are in, holding far less).
     engine = ReferenceEngine.from_checkpoint(qwen3_a, quantization="fp8")
     report = engine.reload_weights(weights_iterator=iter(_tensors(qwen3_b)[::-1]), budget_bytes=70_000)
     assert report.spilled_bytes > 0
     assert report.peak_buffered_bytes <= 70_000
     assert_bitwise_equal(engine.model, ReferenceEngine.from_checkpoint(qwen3_b, quantization="fp8").model)
+
+
+def test_per_tensor_layers_out_of_order_hold_only_their_waiting_bands_within_the_budget(qwen3_a, qwen3_b,
+                                                                                        caplog) -> None:
+    fresh_b = ReferenceEngine.from_checkpoint(qwen3_b, quantization="fp8")
+    engine = ReferenceEngine.from_checkpoint(qwen3_a, quantization="fp8")
+    items = _tensors(qwen3_b)
+    random.Random(1).shuffle(items)
+    budget = 40_000  # less than one q band and the bands waiting with it: the rest goes to host memory
+    with caplog.at_level("WARNING", logger="weight_sync.reload.session"), \
+            engine.begin_update(budget_bytes=budget) as s:
+        for name, t in items:
+            s.load([(name, t.clone())])  # one key per call: a waiting band is copied as the call ends
+    report = s.report
+    assert report is not None and "model.layers.0.self_attn.qkv_proj" in report.layers_banded
+    assert report.peak_buffered_bytes <= budget and report.spilled_bytes > 0
+    warnings = [r.getMessage() for r in caplog.records if "out of layer order" in r.getMessage()]
+    assert len(warnings) == 1 and "model.layers." in warnings[0]
+    assert_bitwise_equal(engine.model, fresh_b.model)
 
 
 def test_in_block_order_streams_buffer_at_most_one_layer(qwen3_a, qwen3_b) -> None:

@@ -164,7 +164,7 @@ def test_a_worker_process_refuses_to_generate_while_its_update_is_open(qwen3_a) 
 
 # ---------------------------------------------------------------- hole 4: the buffering warning
 def test_out_of_order_buffering_is_reported_once_with_the_bytes_held_on_device_and_host(
-    qwen3_a, qwen3_b, caplog
+    qwen3_a, qwen3_b, caplog, staged_fp8
 ) -> None:
     engine = ReferenceEngine.from_checkpoint(qwen3_a, quantization="fp8")
     items = _items(qwen3_b)
@@ -197,7 +197,7 @@ def test_out_of_order_buffering_is_reported_once_with_the_bytes_held_on_device_a
     assert s.report.spilled_bytes == on_host
 
 
-def test_a_zero_budget_reports_everything_held_in_host_memory(qwen3_a, qwen3_b, caplog) -> None:
+def test_a_zero_budget_reports_everything_held_in_host_memory(qwen3_a, qwen3_b, caplog, staged_fp8) -> None:
     engine = ReferenceEngine.from_checkpoint(qwen3_a, quantization="fp8")
     items = _items(qwen3_b)
     by_name = dict(items)

@@ -25,6 +25,7 @@ from weight_sync.quant.online import (
     RowBands,
     fitting_output,
     reduce_max,
+    split_over_group,
     write_band,
 )
 
@@ -35,6 +36,7 @@ __all__ = [
     "dequantize_fp8",
     "quantize_fp8",
     "quantize_fp8_bands",
+    "quantize_fp8_matrix_bands",
 ]
 
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
@@ -213,6 +215,53 @@ def quantize_fp8_bands(items: list[tuple[torch.Tensor, torch.Tensor, torch.Tenso
         write_band(q, s, quantize_fp8(w, config, None, out=(q, s)))
 
 
+def quantize_fp8_matrix_bands(items: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+    """Per-tensor :func:`quantize_fp8` of whole matrices given as bands ``(w, q, s)``, grouped by ``s``.
+
+    The bands sharing a one-element scale view ``s`` are every row of one matrix (q, k and v of a fused
+    qkv; an expert's gate and up halves): their absmax is reduced first - max is exact in any order,
+    so it is the fused matrix's - then each band is scaled, clamped and cast into its ``q`` rows with
+    the matrix's scale: the bytes quantizing the fused matrix gives, without staging it. On CUDA with
+    Triton the matrices of one call go out as two grouped launches (absmax, cast:
+    :func:`~weight_sync.quant.fp8_grouped.quantize_fp8_matrices_grouped`), elsewhere through the
+    torch path. No TP reduction: layers split over a group are staged and processed whole.
+    """
+    matrices: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+    for it in items:
+        m = matrices.get(it[2].data_ptr())
+        if m is None:
+            matrices[it[2].data_ptr()] = [it]
+        else:
+            m.append(it)
+    rest = list(matrices.values())
+    first = items[0][0] if items else None
+    if first is not None and first.is_cuda and triton_available():
+        from weight_sync.quant.fp8_grouped import quantize_fp8_matrices_grouped
+
+        grouped: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = []
+        rest = []
+        for bands in matrices.values():
+            fits = all(w.device == first.device and w.dtype == first.dtype and w.stride(1) == 1 and w.numel()
+                       and q.stride(1) == 1 for w, q, _ in bands)
+            (grouped if fits else rest).append(bands)
+        quantize_fp8_matrices_grouped(grouped, FP8_MAX, _EPS)
+    for bands in rest:
+        s = bands[0][2]
+        absmax = _absmax(bands[0][0])
+        for w, _, _ in bands[1:]:
+            absmax = torch.maximum(absmax, _absmax(w))
+        scale = s.copy_(_scale(absmax.reshape(1)))
+        for w, q, _ in bands:
+            n, k = w.shape
+            rows = max(1, _CHUNK_BYTES // (4 * max(k, 1)))
+            chunk = torch.empty((min(rows, n), k), dtype=torch.float32, device=w.device)
+            for r0 in range(0, n, rows):
+                part = w[r0 : r0 + rows]
+                c = chunk[: part.shape[0]]
+                torch.div(part, scale, out=c)
+                q[r0 : r0 + rows].copy_(c.clamp_(-FP8_MAX, FP8_MAX))
+
+
 def _tile_grid(n: int, k: int, block_size: tuple[int, int]) -> tuple[int, int]:
     """Shape of the 'block' scales of an (n, k) weight: [row tiles, column tiles]."""
     return -(-n // block_size[0]), -(-k // block_size[1])
@@ -268,20 +317,28 @@ class Fp8LinearMethod(OnlineQuantLinearMethod):
         return quantize_fp8(weight, self.config, group, out)
 
     def row_bands(self, layer: nn.Module, name: str, shape: tuple[int, ...]) -> RowBands | None:
-        if name != "weight" or self.config.granularity == "tensor" or len(shape) != 2:
+        if name != "weight" or len(shape) != 2:
             return None
+        granularity = self.config.granularity
+        if granularity == "tensor" and split_over_group(getattr(layer, "tp_group", None)):
+            return None  # its scale is MAX-reduced over the group: processed whole, in stream order
         q, s = layer._parameters.get("weight"), layer._parameters.get("weight_scale")
-        scale_shape = (shape[0],) if self.config.granularity == "channel" else _tile_grid(*shape, self.config.block_size)
+        scale_shape = {"tensor": (1,), "channel": (shape[0],)}.get(granularity) or _tile_grid(*shape, self.config.block_size)
         if (q is None or s is None or q.dtype != torch.float8_e4m3fn or tuple(q.shape) != shape
                 or not q.is_contiguous() or tuple(s.shape) != scale_shape or not s.is_contiguous()):
             return None
-        return RowBands(align=self.config.block_size[0] if self.config.granularity == "block" else 1,
+        if granularity == "tensor":
+            return RowBands(align=1, target=self._band_target, quantize=quantize_fp8_matrix_bands,
+                            matrix_rows=shape[0])
+        return RowBands(align=self.config.block_size[0] if granularity == "block" else 1,
                         target=self._band_target, quantize=self.quantize_bands)
 
     def _band_target(self, layer: nn.Module, matrix: int, row: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         end = row + rows
         q = layer._parameters["weight"].detach()[row:end]  # type: ignore[union-attr]
         s = layer._parameters["weight_scale"].detach()  # type: ignore[union-attr]
+        if self.config.granularity == "tensor":
+            return q, s
         bn = self.config.block_size[0]
         return q, (s[row:end] if self.config.granularity == "channel" else s[row // bn : -(-end // bn)])
 

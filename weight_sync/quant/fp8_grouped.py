@@ -19,7 +19,7 @@ import torch
 
 from weight_sync.quant.fp8_triton import _f32_bits, _launch_device, fused_geometry, launch_table
 
-__all__ = ["quantize_fp8_grouped"]
+__all__ = ["quantize_fp8_grouped", "quantize_fp8_matrices_grouped"]
 
 
 
@@ -138,3 +138,129 @@ def quantize_fp8_grouped(
             count, most = len(rows) // 12, max(rows[11::12])
             kernel[(most, count)](table, w0, q0, s0, eps_bits, fmax, BM=bm, BK=bk, PER_ROW=per_row,
                                   ONE_PASS=one_pass, ALIGNED=aligned, num_warps=warps, enable_fp_fusion=False)
+
+
+# Tiles of the per-tensor kernels, as absmax_bits / tensor_cast (fp8_triton.py) use them.
+_ABSMAX_TILE = (64, 256)
+_CAST_TILE = (32, 128)
+_MATRIX_FIELDS = 10
+
+
+@functools.cache
+def _matrix_kernels() -> tuple[Any, Any]:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def absmax_grouped(desc_ptr, w0, bits_ptr, BM: tl.constexpr, BN: tl.constexpr, ALIGNED: tl.constexpr):
+        # Program (pid, b): tile pid of band b, folded into its matrix's absmax bits by an integer atomic
+        # max, as `absmax_bits` does for one weight; w0 (the first band) only gives the element type.
+        b = tl.program_id(1)
+        pid = tl.program_id(0)
+        d = desc_ptr + b * 10
+        if pid >= tl.load(d + 9):
+            return
+        w_ptr = tl.load(d).to(tl.pointer_type(w0.dtype.element_ty))
+        n = tl.load(d + 3)
+        k = tl.load(d + 4)
+        stride_w = tl.load(d + 5)
+        slot = tl.load(d + 7)
+        col_tiles = tl.load(d + 8)
+        if ALIGNED:  # as in fused_grouped: what Triton infers for an argument, so loads vectorize
+            w_ptr = tl.multiple_of(w_ptr, 16)
+            stride_w = tl.multiple_of(stride_w, 16)
+            k = tl.multiple_of(k, 16)
+        rows = (pid // col_tiles) * BM + tl.arange(0, BM)
+        cols = (pid % col_tiles) * BN + tl.arange(0, BN)
+        mask = (rows[:, None] < n) & (cols[None, :] < k)
+        x = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_w + cols[None, :], mask=mask, other=0.0)
+        bits = tl.max(tl.max(x.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1), axis=0)
+        tl.atomic_max(bits_ptr + slot, bits)
+
+    @triton.jit
+    def cast_grouped(desc_ptr, w0, q0, bits_ptr, eps_bits, fmax, BM: tl.constexpr, BN: tl.constexpr,
+                     ALIGNED: tl.constexpr):
+        # Program (pid, b): tile pid of band b cast with its matrix's scale, as `tensor_cast`; every band
+        # of a matrix stores the same scale into the matrix's one-element scale.
+        b = tl.program_id(1)
+        pid = tl.program_id(0)
+        d = desc_ptr + b * 10
+        if pid >= tl.load(d + 9):
+            return
+        w_ptr = tl.load(d).to(tl.pointer_type(w0.dtype.element_ty))
+        q_ptr = tl.load(d + 1).to(tl.pointer_type(q0.dtype.element_ty))
+        s_ptr = tl.load(d + 2).to(tl.pointer_type(tl.float32))
+        n = tl.load(d + 3)
+        k = tl.load(d + 4)
+        stride_w = tl.load(d + 5)
+        stride_q = tl.load(d + 6)
+        slot = tl.load(d + 7)
+        col_tiles = tl.load(d + 8)
+        if ALIGNED:
+            w_ptr = tl.multiple_of(w_ptr, 16)
+            q_ptr = tl.multiple_of(q_ptr, 16)
+            stride_w = tl.multiple_of(stride_w, 16)
+            stride_q = tl.multiple_of(stride_q, 16)
+            k = tl.multiple_of(k, 16)
+        s = tl.math.div_rn(tl.maximum(tl.load(bits_ptr + slot), eps_bits).to(tl.float32, bitcast=True), fmax)
+        if pid == 0:
+            tl.store(s_ptr, s)
+        rows = (pid // col_tiles) * BM + tl.arange(0, BM)
+        cols = (pid % col_tiles) * BN + tl.arange(0, BN)
+        mask = (rows[:, None] < n) & (cols[None, :] < k)
+        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_w + cols[None, :], mask=mask, other=0.0)
+        x = tl.clamp(tl.math.div_rn(w.to(tl.float32), s), -fmax, fmax, propagate_nan=tl.PropagateNan.ALL)
+        q = x.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+        tl.store(q_ptr + rows[:, None].to(tl.int64) * stride_q + cols[None, :], q, mask=mask)
+
+    return absmax_grouped, cast_grouped
+
+
+def _matrix_table(matrices: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]],
+                  tile: tuple[int, int]) -> tuple[list[int], int]:
+    rows: list[int] = []
+    most = 1
+    for slot, bands in enumerate(matrices):
+        for w, q, s in bands:
+            n, k = w.shape
+            col_tiles = -(-k // tile[1])
+            tiles = -(-n // tile[0]) * col_tiles
+            most = max(most, tiles)
+            rows.extend((w.data_ptr(), q.data_ptr(), s.data_ptr(), n, k, w.stride(0), q.stride(0), slot,
+                         col_tiles, tiles))
+    return rows, most
+
+
+def quantize_fp8_matrices_grouped(
+    matrices: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]],
+    fmax: float,
+    eps: float,
+) -> None:
+    """Per-tensor fp8 of whole matrices given as bands: each entry of ``matrices`` is the ``(w, q, s)``
+    bands of one matrix (every row of it; ``s`` its one-element fp32 scale), quantized as
+    :func:`~weight_sync.quant.fp8_triton.absmax_bits_fp8` and
+    :func:`~weight_sync.quant.fp8_triton.tensor_cast_fp8` would the fused matrix, in two launches per
+    source dtype (and alignment) for all of them. Bands are non-empty, 2-D with unit column stride, on one device, the
+    bands of a matrix of one dtype; the inputs must stay alive until the launches are enqueued."""
+    by_dtype: dict[tuple[torch.dtype, bool], list[Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]] = {}
+    for m in matrices:
+        if m:
+            aligned = all(w.data_ptr() % 16 == 0 and q.data_ptr() % 16 == 0 and w.stride(0) % 16 == 0
+                          and q.stride(0) % 16 == 0 and w.shape[1] % 16 == 0 for w, q, _ in m)
+            by_dtype.setdefault((m[0][0].dtype, aligned), []).append(m)
+    absmax, cast = _matrix_kernels()
+    eps_bits = _f32_bits(eps)
+    for (_, aligned), group in by_dtype.items():
+        w0, q0, _ = group[0][0]
+        device = w0.device
+        count = sum(len(m) for m in group)
+        # One int32 absmax per matrix, MAX-folded by its bands' programs (non-negative float bits order
+        # like the floats).
+        bits = torch.zeros(len(group), dtype=torch.int32, device=device)
+        with _launch_device(w0):
+            rows, most = _matrix_table(group, _ABSMAX_TILE)
+            absmax[(most, count)](launch_table(rows, device), w0, bits, BM=_ABSMAX_TILE[0], BN=_ABSMAX_TILE[1],
+                                  ALIGNED=aligned, num_warps=8)
+            rows, most = _matrix_table(group, _CAST_TILE)
+            cast[(most, count)](launch_table(rows, device), w0, q0, bits, eps_bits, fmax,
+                                BM=_CAST_TILE[0], BN=_CAST_TILE[1], ALIGNED=aligned, enable_fp_fusion=False)

@@ -41,8 +41,15 @@ from weight_sync.quant.fp8 import (
     dequantize_fp8,
     quantize_fp8,
     quantize_fp8_bands,
+    quantize_fp8_matrix_bands,
 )
-from weight_sync.quant.online import RELOAD_TARGETS, RowBands, fitting_output, reduce_max
+from weight_sync.quant.online import (
+    RELOAD_TARGETS,
+    RowBands,
+    fitting_output,
+    reduce_max,
+    split_over_group,
+)
 from weight_sync.quant.registry import resolve_quantization
 
 __all__ = [
@@ -171,24 +178,32 @@ class Fp8FusedMoEMethod(FusedMoEMethod):
                     ds.copy_(s)
 
     def row_bands(self, layer: nn.Module, name: str, shape: tuple[int, ...]) -> RowBands | None:
-        """Block scales: bands of an expert's rows (an expert's gate or up half of ``w13``, its ``w2``)
-        quantize on their own; a per-tensor scale per expert needs all of the expert's rows first."""
-        if self.config.granularity != "block" or name not in ("w13_weight", "w2_weight") or len(shape) != 3:
+        """Bands of an expert's rows (its gate or up half of ``w13``, its ``w2``): block scales quantize
+        each on its own; a per-tensor scale per expert takes all of the expert's bands of the tensor at
+        once (``RowBands.matrix_rows``), unless the experts are split over a TP group (the scale is then
+        MAX-reduced over it, expert by expert in stream order: staged per unit instead)."""
+        if name not in ("w13_weight", "w2_weight") or len(shape) != 3:
+            return None
+        per_tensor = self.config.granularity == "tensor"
+        if per_tensor and split_over_group(getattr(layer, "moe_tp_group", None)):
             return None
         stem = name.removesuffix("_weight")
         scale_name = f"{stem}_{self.scale_name}"
         q, s = layer._parameters.get(name), layer._parameters.get(scale_name)
         bn, bk = self.config.block_size
-        grid = (shape[0], -(-shape[1] // bn), -(-shape[2] // bk))
+        grid = (shape[0],) if per_tensor else (shape[0], -(-shape[1] // bn), -(-shape[2] // bk))
         if (q is None or s is None or q.dtype != torch.float8_e4m3fn or tuple(q.shape) != shape
-                or tuple(s.shape) != grid):
+                or not q.is_contiguous() or tuple(s.shape) != grid or not s.is_contiguous()):
             return None
 
         def target(layer: nn.Module, matrix: int, row: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
             end = row + rows
-            return (layer._parameters[name].detach()[matrix, row:end],  # type: ignore[union-attr]
-                    layer._parameters[scale_name].detach()[matrix, row // bn : -(-end // bn)])  # type: ignore[union-attr]
+            qm = layer._parameters[name].detach()[matrix, row:end]  # type: ignore[union-attr]
+            sm = layer._parameters[scale_name].detach()  # type: ignore[union-attr]
+            return qm, (sm[matrix : matrix + 1] if per_tensor else sm[matrix, row // bn : -(-end // bn)])
 
+        if per_tensor:
+            return RowBands(align=1, target=target, quantize=quantize_fp8_matrix_bands, matrix_rows=shape[1])
         return RowBands(align=bn, target=target, quantize=self.quantize_bands)
 
     def quantize_bands(self, items: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:

@@ -25,7 +25,7 @@ from weight_sync.quant.base import LinearMethod, layer_tensor
 #: its processor, which may write its outputs straight into them (set only while the processor runs).
 RELOAD_TARGETS = "ws_reload_targets"
 
-__all__ = ["RELOAD_TARGETS", "OnlineQuantLinearMethod", "RowBands", "fitting_output", "write_band"]
+__all__ = ["RELOAD_TARGETS", "OnlineQuantLinearMethod", "RowBands", "fitting_output", "split_over_group", "write_band"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,11 +40,18 @@ class RowBands:
     expert for stacked ``[E, N, K]`` weights); ``quantize(items)`` quantizes each ``(src [rows, K],
     q, s)`` into its views, as many at once as it is given (equal ``quantize`` callables may be batched
     together). Used by reload (``weight_sync.reload.bands``) on reloads.
+
+    ``matrix_rows`` > 0: one scale per matrix (per-tensor scales, per expert for stacked weights), so a
+    band cannot be quantized alone. ``target`` then gives the matrix's one-element scale view, and
+    ``quantize`` is only ever given every band of each matrix it sees (``matrix_rows`` rows in all,
+    told apart by their scale view): it reduces their absmax first, then casts each band - the bytes of
+    processing the matrix whole, without staging it.
     """
 
     align: int
     target: Callable[[nn.Module, int, int, int], tuple[torch.Tensor, torch.Tensor]]
     quantize: Callable[[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]], None]
+    matrix_rows: int = 0
 
 
 def write_band(q: torch.Tensor, s: torch.Tensor, result: tuple[torch.Tensor, torch.Tensor]) -> None:
@@ -112,8 +119,13 @@ def fitting_output(t: torch.Tensor | None, like: torch.Tensor, shape: tuple[int,
     )
 
 
+def split_over_group(group: dist.ProcessGroup | None) -> bool:
+    """Whether a layer with ``group`` is split over more than one rank (its per-tensor scales reduce)."""
+    return group is not None and dist.get_world_size(group) > 1
+
+
 def reduce_max(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """All-reduce MAX over ``group`` (identity without a group or with one rank)."""
-    if group is not None and dist.get_world_size(group) > 1:
+    if split_over_group(group):
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t

@@ -304,8 +304,7 @@ class InPlaceUpdate:
                 self._scatter(info, t, idx, v, dtype)
             else:
                 self._requantize(info, t, idx, v, dtype)
-        self.session._arrived.add(name)  # applied here, not through load(): completion counts it
-        self.session._num_bytes += payload.numel()
+        self.session.mark_applied(name, payload.numel())  # applied here, not through load()
         self.num_in_place += 1
         self.seconds["apply"] += time.perf_counter() - t0
 

@@ -27,6 +27,7 @@ from weight_sync.quant.online import RELOAD_TARGETS
 from weight_sync.reload.plan import Plan
 from weight_sync.reload.state import LayerInfo, ModelState
 from weight_sync.reload.validation import fmt_layout
+from weight_sync.reload.writes import WriteQueue
 
 __all__ = ["Lend", "OpenLayer", "ProcessedLayers", "sole_owner", "storage_use_count", "storage_uses"]
 
@@ -96,6 +97,7 @@ class ProcessedLayers:
     _held_peak: int
     _spilled: int
     _waited: set[str]
+    _writes: WriteQueue
     _seconds: dict[str, float]
     _host: torch.device
     _lenders: set[str]
@@ -132,6 +134,8 @@ class ProcessedLayers:
                 nbytes -= info.records[name].nbytes  # the caller's memory, not staging
         spill = self._buffered + nbytes > self.budget_bytes
         waiting = [n for n, ou in self._unit_open.items() if ou.staging] if self._unit_open else []
+        if self._writes.matrices:
+            waiting.extend(self._writes.waiting_layers())
         if self._open or waiting:
             # Another layer still waits for keys: the stream is out of layer order. Reported once per
             # update, when it ends, with the bytes really held (see UpdateSession._report_buffering).

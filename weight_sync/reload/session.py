@@ -114,6 +114,8 @@ class UpdateSession(EndingSteps):
             state.write_queue = WriteQueue()
         self._writes: WriteQueue = state.write_queue
         self._writes.drop()  # nothing of an earlier update may be left (it would have been flushed)
+        self._writes.carrier, self._writes.release = self._carry_band, self._release_band
+        self._writes.written = self._matrix_written
         self._buffered = 0
         self._peak = 0
         self._host_held = 0
@@ -189,7 +191,9 @@ class UpdateSession(EndingSteps):
             t0 = time.perf_counter()
             # A list or tuple can be looked at as a whole before loading (a generator is not
             # materialized: it could hold a whole model): find layers it can lend its memory to.
-            if type(named_tensors) in (list, tuple):
+            listed = type(named_tensors) in (list, tuple)
+            self._writes.carry_now = not listed
+            if listed:
                 if not self._lenders_known:
                     # Banded layers need no staging at all, borrowed or not.
                     self._lenders = {n for n in lenders(self) if self._bands_of(self.state.layers[n]) is None}
@@ -199,6 +203,10 @@ class UpdateSession(EndingSteps):
             for name, tensor in named_tensors:
                 self._load_one(name, tensor)
             self._writes.flush()  # before returning: the caller may reuse its tensors
+            if self._writes.matrices:
+                # One-scale matrices whose keys straddle this call and the next keep copies of their
+                # bands: that matrix's staging (see _carry_band).
+                self._writes.carry()
             self._seconds["load"] += time.perf_counter() - t0
         except BaseException as e:
             self._writes.drop()
@@ -314,7 +322,9 @@ class UpdateSession(EndingSteps):
             bands = self._banded.get(op.layer) if self._banded else None
             band = bands.get(op.tensor) if bands is not None else None
             if band is not None:
-                write = self._writes.band_writer(band, *band_target(self.state.layers[op.layer], band, op))
+                info = self.state.layers[op.layer]
+                write = self._writes.band_writer(band, *band_target(info, band, op),
+                                                 info.records[op.tensor].dtype, op.layer)
                 write(src if op.src_whole else _src_view(op, src))
                 views.append((write, op))
                 continue
@@ -368,6 +378,86 @@ class UpdateSession(EndingSteps):
         # one would hold the reference into the caller's memory.
         del self._attr_snapshots[attrs:]
 
+    def _carry_band(self, layer: str, src: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """A private copy of a band whose one-scale matrix still misses rows: that matrix's staging, on
+        the device within the budget, else in host memory; (copy, whether in host memory)."""
+        nbytes = src.nbytes
+        others = self._writes.waiting_layers() - {layer}
+        units = [n for n, ou in self._unit_open.items() if ou.staging] if self._unit_open else []
+        if self._open or others or units:
+            # Another layer waits for keys too: out of layer order, reported when the update ends.
+            self._waited.update(self._open, others, units, (layer,))
+        spill = self._buffered + nbytes > self.budget_bytes
+        copy = torch.empty(src.shape, dtype=src.dtype, device=self._host if spill else self.device,
+                           pin_memory=spill and self.device.type == "cuda")
+        copy.copy_(src)
+        if spill:
+            self._spilled += nbytes
+            self._host_held += nbytes
+            self._host_peak = max(self._host_peak, self._host_held)
+        else:
+            self._buffered += nbytes
+            self._peak = max(self._peak, self._buffered)
+        self._held_peak = max(self._held_peak, self._buffered + self._host_held)
+        return copy, spill
+
+    def _matrix_written(self, layer: str) -> None:
+        """A one-scale matrix of ``layer`` is whole and about to be quantized into the live tensors: from
+        here the layer counts as written (rollback snapshot first)."""
+        if layer not in self._touched:
+            self._snapshot(self.state.layers[layer])
+            self._touched.add(layer)
+
+    def _release_band(self, nbytes: int, spilled: bool) -> None:
+        """A carried band's matrix is complete: its copy no longer counts as staging held."""
+        if spilled:
+            self._host_held -= nbytes
+        else:
+            self._buffered -= nbytes
+
+    # ------------------------------------------------------------------ writers other than load()
+    # The sharded plane's region sink and the in-place delta applier write keys their own way; these are
+    # the session steps they share with load(), so completion, byte counts and rollback stay one account.
+    def mark_applied(self, name: str, nbytes: int) -> None:
+        """Count key ``name`` (``nbytes`` received) as arrived, written by the caller's own path."""
+        self._require_open()
+        if name in self._arrived:
+            raise DuplicateTensorError(f"{name}: arrived twice in update {self.version!r}")
+        self._arrived.add(name)
+        self._num_bytes += nbytes
+
+    def count_received(self, nbytes: int) -> None:
+        """Add ``nbytes`` received for this update (a region: a part of a key) to its byte count."""
+        self._num_bytes += nbytes
+
+    def write_region(self, name: str, op: CopyOp, src: torch.Tensor) -> None:
+        """Copy ``src`` (a region of key ``name``) along ``op`` into its live tensor or its layer's staging.
+
+        The layer is prepared as for load() - snapshot for rollback, staging opened - but never on the
+        band path: a region is any box of a model-format tensor, not a run of whole rows.
+        """
+        self._require_open()
+        if op.layer not in self.state.layers:
+            raise LayoutMismatchError(f"{name}: a region writes into {op.layer}.{op.tensor}, and the model "
+                                      f"has no layer {op.layer!r}")
+        self._prepare(op.layer, bands=False)
+        ou = self._unit_open.get(op.layer) if self._unit_open else None
+        if ou is not None:
+            self._write_unit(ou, name, op, src)
+            return
+        base, _ = self._target(op)
+        if base is None:  # pragma: no cover - only borrowed staging has none, and regions never lend
+            raise UpdateStateError(f"{name}: {op.layer}.{op.tensor} is borrowed staging, which a region "
+                                   "cannot write")
+        base.as_strided(op.dst_size, op.dst_stride, base.storage_offset() + op.dst_offset).copy_(src)
+
+    def complete_regions(self, name: str) -> None:
+        """Every region of key ``name`` was written with :meth:`write_region`: the key has arrived, and the
+        layers (or units) it was the last key of complete."""
+        self.mark_applied(name, 0)
+        self._replayed += 1
+        self._key_written(name, self.plan.keys[name])
+
     def _target(self, op: CopyOp) -> tuple[torch.Tensor | None, bool]:
         """Where ``op`` writes: (a plain tensor on the destination's storage, whether it is staging).
 
@@ -394,7 +484,7 @@ class UpdateSession(EndingSteps):
         """Make ``layer`` ready to receive data: snapshot (rollback) a direct layer, open a processed one
         (``bands=False``: staged even where its keys could be quantized band by band - a caller writing
         arbitrary regions of model-format tensors)."""
-        if layer in self._open or layer in self._touched or layer in self._unit_open:
+        if layer in self._open or layer in self._touched or layer in self._unit_open or layer in self._banded:
             return
         info = self.state.layers[layer]
         if info.direct:
@@ -404,10 +494,12 @@ class UpdateSession(EndingSteps):
         banded = self._bands_of(info) if bands else None
         if banded is not None:
             # Quantized key by key into the live tensors (reload/bands.py): they change from the first
-            # key on, as a direct layer's do.
-            self._snapshot(info)
-            self._touched.add(layer)
+            # key on, as a direct layer's do - except a layer made only of one-scale matrices, whose
+            # live tensors change when its first matrix is whole (_matrix_written).
             self._banded[layer] = banded
+            if len(banded) < len(info.records) or not all(b.matrix_rows for b in banded.values()):
+                self._snapshot(info)
+                self._touched.add(layer)
             self._processed_done.append(layer)
             if self._lend:
                 self._lend.pop(layer, None)

@@ -172,10 +172,11 @@ class UnitLayers(ProcessedLayers):
         if bufs is not None:
             return bufs
         info, nbytes = ou.info, ou.units.unit_bytes
-        if self._open or any(o.staging for o in self._unit_open.values()):
+        if self._open or self._writes.matrices or any(o.staging for o in self._unit_open.values()):
             # Something else still waits for keys: out of layer (or unit) order, reported at the end.
             self._waited.update(self._open)
             self._waited.update(n for n, o in self._unit_open.items() if o.staging)
+            self._waited.update(self._writes.waiting_layers())
             self._waited.add(info.name)
         spill = self._buffered + nbytes > self.budget_bytes
         where = self._host if spill else self.device

@@ -79,43 +79,29 @@ class RegionSink:
         finally:
             torch._C._set_grad_enabled(grad)
         self.region_bytes += src.nbytes
-        self.session._num_bytes += src.nbytes  # the update's bytes: what this rank received, not whole keys
+        s.count_received(src.nbytes)  # the update's bytes: what this rank received, not whole keys
         self._left[name] = left - n
         if left == n:
             self._key_done(name)
 
     def _write_view(self, name: str, param: str, dst_offset: int, dst_stride: tuple[int, ...],
                     src: torch.Tensor) -> None:
-        s = self.session
         layer, _, tensor = param.rpartition(".")
         size = tuple(src.shape)
         op = CopyOp(layer=layer, tensor=tensor, dst_offset=dst_offset, dst_size=size, dst_stride=dst_stride,
                     src_offset=0, src_size=size, src_stride=contiguous_strides(size), src_whole=True)
-        if layer not in s.state.layers:
-            raise LayoutMismatchError(f"[engine rank {self.rank}] {name}: the plan writes into {param}, and "
-                                      f"the model has no layer {layer!r}")
-        # Snapshot (rollback) a direct layer, open a processed one's staging - never the band path: a region
-        # is any box of a model-format tensor, not a whole-row band.
-        s._prepare(layer, bands=False)
-        ou = s._unit_open.get(layer) if s._unit_open else None
-        if ou is not None:
-            s._write_unit(ou, name, op, src)
-            return
-        base, _ = s._target(op)
-        if base is None:  # pragma: no cover - only borrowed staging has none, and regions never lend
-            raise UpdateStateError(f"{name}: {param} is borrowed staging, which a region cannot write")
-        base.as_strided(size, dst_stride, base.storage_offset() + dst_offset).copy_(src)
+        try:
+            self.session.write_region(name, op, src)
+        except LayoutMismatchError as e:
+            raise LayoutMismatchError(f"[engine rank {self.rank}] {e}") from None
 
     def _key_done(self, name: str) -> None:
         """Every region of ``name`` is written: complete it (and any layer it was the last key of)."""
-        s = self.session
         whole = self._whole.pop(name, None)
         if whole is not None:
-            s.load([(name, whole)])  # the engine's own loader consumes the whole tensor
+            self.session.load([(name, whole)])  # the engine's own loader consumes the whole tensor
             return
-        s._arrived.add(name)
-        s._replayed += 1
-        s._key_written(name, s.plan.keys[name])
+        self.session.complete_regions(name)
 
     def incomplete(self) -> list[str]:
         """Keys with regions still to come on this rank."""
