@@ -16,7 +16,7 @@ def _run(args: argparse.Namespace) -> int:
         steps=args.steps, quantization=None if args.quantization == "none" else args.quantization,
         seed=args.seed, out_dir=Path(args.out), verify=not args.no_verify, lr=args.lr,
         transport=args.transport, workers=args.workers, zero_copy=args.zero_copy, delta=args.delta,
-        asynchronous=args.asynchronous, engine=args.engine,
+        asynchronous=args.asynchronous, engine=args.engine, pause_whole_update=args.pause_whole_update,
     )
     results = run_demo(config)
     first, last = results[0].reward, max(r.reward for r in results[-3:])
@@ -59,7 +59,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--async", dest="asynchronous", action="store_true",
                    help="asynchronous RL: generate the next rollouts while the last weights travel; reference "
                         "engine (with --transport inproc): staged, committed between decode steps; vLLM: an "
-                        "AsyncLLM, updated under pause_generation(mode='keep'); staleness reported")
+                        "AsyncLLM, staged in every worker while it generates, committed under "
+                        "pause_generation(mode='keep'); staleness reported")
+    p.add_argument("--pause-whole-update", action="store_true",
+                   help="with --async --engine vllm: pause generation for the whole update (sent through vLLM's "
+                        "RL API) instead of staging it and pausing only for the commit, to compare the pauses")
     p.set_defaults(func=_run)
 
 

@@ -67,9 +67,13 @@ class DemoConfig:
     # (weights travel as bf16, the engines' dtype, so an element changes only when its bf16 value does).
     delta: bool = False
     # Asynchronous RL: generate step k+1's rollouts while step k's weights are staged (reference engine
-    # in process) or sent under vLLM's pause_generation(mode="keep") (vLLM).
+    # in process; vLLM: pushed into every worker's staging twin, committed under
+    # pause_generation(mode="keep")).
     asynchronous: bool = False
     engine: str = "reference"
+    # vLLM, asynchronous: pause generation for the whole update (transfer, processing, copy) through
+    # vLLM's RL API instead of staging it and pausing only for the commit - the mode to compare against.
+    pause_whole_update: bool = False
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -86,6 +90,9 @@ class DemoConfig:
         if self.delta and (self.transport == "inproc" or self.zero_copy):
             raise ValueError(f"delta needs a buffered transport to engine processes, got transport "
                              f"{self.transport!r}, zero_copy={self.zero_copy}")
+        if self.pause_whole_update and not (self.engine == "vllm" and self.asynchronous):
+            raise ConfigError(f"pause_whole_update is a mode of the asynchronous vLLM loop: it needs engine 'vllm' "
+                              f"and asynchronous, got engine {self.engine!r}, asynchronous={self.asynchronous}")
         if self.engine == "vllm":
             self._check_vllm()
         elif self.asynchronous and (self.transport != "inproc" or self.delta):
@@ -118,7 +125,8 @@ class StepResult:
     staleness_max: int | None = None
     staleness_mean: float | None = None
     wait_s: float | None = None
-    # vLLM, asynchronous: how long generation was paused for the update.
+    # vLLM, asynchronous: how long generation was paused for the update (the commit only, when staged;
+    # sync_s is then the push, which ran while the engine generated).
     paused_s: float | None = None
 
 

@@ -16,9 +16,13 @@ the step.
 Synchronous (default): an in-process ``vllm.LLM`` samples, the trainer steps, the weights are sent.
 Asynchronous (``--async``): an ``AsyncLLM`` (engine core in its own process, its event loop on a thread
 here) is handed step k+1's prompts before the trainer's step k, so they generate while the trainer
-trains and are still in flight when step k's weights arrive. The update runs under
-``pause_generation(mode="keep", clear_cache=False)``: in-flight requests freeze, the weights are swapped,
-and on ``resume_generation`` they continue on their KV with the new weights. Each output's
+trains and are still in flight when step k's weights arrive. By default the update is staged
+(:class:`~weight_sync.integrations.vllm.StagingClient`): pushed into every worker's staging twin while
+those rollouts keep generating with the committed weights, then committed under
+``pause_generation(mode="keep", clear_cache=False)``, so generation stops only for the commit's copy.
+With ``pause_whole_update`` (``--pause-whole-update``) the whole update - transfer, processing, copy -
+goes through vLLM's RL API under that pause instead. Either way in-flight requests freeze, the weights
+are swapped, and on ``resume_generation`` they continue on their KV with the new weights. Each output's
 ``weight_versions`` spans say which version sampled which token; the staleness of a step's rollouts is
 the trainer's optimizer steps minus those versions.
 
@@ -69,7 +73,9 @@ class _ParamMeta:
 class TrainerSource:
     """The trainer's weights as vLLM's ``WeightSource``: ``metadata()`` and a fresh pass per iteration.
 
-    Complete blocks in forward order (weight_sync's senders stream blocks in order), cast to ``dtype``.
+    Complete blocks in forward order (weight_sync's senders stream blocks in order), cast to ``dtype``;
+    ``manifest(version)`` makes it a source for ``StagingClient.push`` too (cast lazily on the push's
+    thread, so the trainer must not step before the push is done).
     """
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype | None = torch.bfloat16) -> None:
@@ -78,6 +84,11 @@ class TrainerSource:
 
     def metadata(self) -> list[_ParamMeta]:
         return [_ParamMeta(n, self.dtype or t.dtype, tuple(t.shape)) for n, t in trainer_weights(self.model)]
+
+    def manifest(self, version: Any) -> Any:
+        from weight_sync.manifest import Manifest, TensorMeta
+
+        return Manifest(tuple(TensorMeta(m.name, m.dtype, m.shape) for m in self.metadata()), version=version)
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         with torch.no_grad():
@@ -182,9 +193,16 @@ def run_vllm_loop(config: DemoConfig, trainer: torch.nn.Module, opt: torch.optim
                   engine: VLLMDemoEngine | None = None) -> list[StepResult]:
     """The demo's steps on a vLLM engine serving ``ckpt`` (the trainer's initial weights): ``engine``, or
     one started here and shut down at the end."""
-    how = "updates under pause_generation(mode='keep')" if config.asynchronous else "no generation during updates"
+    if not config.asynchronous:
+        how = "no generation during updates"
+    elif config.pause_whole_update:
+        how = "whole updates under pause_generation(mode='keep')"
+    else:
+        how = "updates staged while generating, commits under pause_generation(mode='keep')"
+    path = ("into every worker's staging twin (StagingClient)" if config.asynchronous and not config.pause_whole_update
+            else "through vLLM's RL API (weight_sync backend)")
     print(f"engine: vllm AsyncLLM, quantization={config.quantization}, {how}; weights over {config.transport} "
-          f"through vLLM's RL API (weight_sync backend); trainer: transformers fp32, bf16 on the wire")
+          f"{path}; trainer: transformers fp32, bf16 on the wire")
     own = engine is None
     eng = VLLMDemoEngine(ckpt, config) if engine is None else engine
     try:
@@ -313,24 +331,110 @@ def _lags(outputs: list[Any], trainer_steps: int) -> list[int]:
     return lags
 
 
+@dataclass(frozen=True, slots=True)
+class _Update:
+    """One asynchronous update, as the loop reports it."""
+
+    sync_s: float  # the weights' travel: the push (staged) or the whole update (paused)
+    paused_s: float  # how long generation was paused for it
+    num_bytes: int
+    mode: str | None  # delta sync's mode
+    commit_s: float | None = None  # staged: the slowest worker's copy, twin -> live (inside the pause)
+
+
+class _WholeUpdate:
+    """Pause for the whole update: vLLM's RL API (weight_sync's backend) under a keep pause."""
+
+    def __init__(self, config: DemoConfig, eng: VLLMDemoEngine, control: Any, trainer: torch.nn.Module) -> None:
+        self.eng = eng
+        self.sender = _trainer_engine(config, control, trainer)
+
+    def update(self, version: int) -> _Update:
+        t0 = time.perf_counter()
+        paused_s = _update_under_pause(self.eng, self.sender, version)
+        report = self.sender.last_report
+        return _Update(time.perf_counter() - t0, paused_s, report.num_bytes, report.delta.get("mode"))
+
+    def close(self) -> None:
+        self.sender.shutdown()
+
+
 def _update_under_pause(eng: VLLMDemoEngine, sender: Any, version: int) -> float:
     """One update while generation is paused (in-flight requests kept with their KV); seconds paused.
 
     The pause spans the whole update: transfer, processing (fp8 requantization) and the copy into the
-    live tensors. Hook for stage-while-generating (``weight_sync.integrations.vllm.staging``, not used
-    here): ``StagingClient.push(weights, version=v)`` before ``pause_generation``, while the engine keeps
-    generating with the committed weights, ``handle.wait()``, and only ``StagingClient.commit(version=v)``
-    inside the pause.
+    live tensors (:class:`_StagedUpdate` pauses for the copy only).
     """
     t0 = time.perf_counter()
-    eng.run(eng.engine.pause_generation(mode="keep", clear_cache=False))
-    try:
+    with _keep_pause(eng):
         # The version becomes the engine's label (finish_weight_update(weight_version=...)) before any
         # kept request steps again, so every span names the weights that sampled it.
         sender.send_weights(weight_version=str(version))
+    return time.perf_counter() - t0
+
+
+@contextlib.contextmanager
+def _keep_pause(eng: VLLMDemoEngine) -> Iterator[None]:
+    """Generation paused, in-flight requests frozen with their KV: ``pause_generation(mode="keep",
+    clear_cache=False)`` ... ``resume_generation()``, without pause_generation's settle sleep.
+
+    ``AsyncLLM.pause_generation`` is this engine-core call followed by ``asyncio.sleep(0.02)``, there so
+    that the final outputs of requests an abort or wait pause ended reach their streams first (vLLM: not
+    needed for correctness). A keep pause ends no request, and the scheduler stays paused through the
+    sleep: 20 ms that would be most of a staged update's pause (its commit takes ~2 ms on the demo's
+    model). Both modes pause this way, so their pauses compare.
+    """
+    eng.run(eng.engine.engine_core.pause_scheduler_async(mode="keep", clear_cache=False))
+    try:
+        yield
     finally:
         eng.run(eng.engine.resume_generation())
-    return time.perf_counter() - t0
+
+
+class _StagedUpdate:
+    """Stage, then commit: the push runs while the engine generates, only the commit runs paused."""
+
+    def __init__(self, config: DemoConfig, eng: VLLMDemoEngine, control: Any, trainer: torch.nn.Module) -> None:
+        from weight_sync.integrations.vllm import StagingClient
+        from weight_sync.transport import TransportConfig
+
+        self.eng = eng
+        self.source = TrainerSource(trainer)
+        transport = TransportConfig(backend=config.transport, bucket_bytes=config.bucket_bytes, timeout_s=120.0,
+                                    delta=config.delta)
+        self.client = StagingClient(control, transport)
+        try:
+            # Every worker builds its twin (vLLM's loader) seeded with the weights it serves now.
+            self.client.connect()
+        except BaseException:
+            self.client.close()
+            raise
+
+    def update(self, version: int) -> _Update:
+        # The in-flight rollouts keep generating on the committed version while this push is received
+        # and processed (fp8 quantization) into every worker's twin. The trainer's next optimizer step
+        # must wait for it: the source reads the trainer's parameters as it sends.
+        handle = self.client.push(self.source, version=version)
+        report = handle.wait(TIMEOUT_S)
+        # Why a keep pause around the commit, when the commit alone (a worker RPC, run between two
+        # scheduler steps) already gives every token exactly one version: without a user pause the
+        # engine hooks reset the prefix cache and preempt the running requests, which then re-prefill
+        # their prompt and tokens with the new version - a stall after the commit that its own timing
+        # would not show, and another KV semantics than the pause-for-the-whole-update mode. Under a
+        # keep pause (_keep_pause) the kept requests continue on the KV the old version computed
+        # (PipelineRL's semantics, the staleness the demo reports) and the commit still relabels the
+        # engine's version, so the two modes differ only in what runs paused.
+        t0 = time.perf_counter()
+        with _keep_pause(self.eng):
+            commits = self.client.commit(version=version)
+        paused_s = time.perf_counter() - t0
+        copies = [c["seconds"] for c in commits if c is not None]
+        if len(copies) != len(commits):
+            raise WeightSyncError(f"demo: the staged commit of version {version} found nothing staged on a worker")
+        return _Update(handle.seconds or 0.0, paused_s, report.num_bytes, report.delta.get("mode"), max(copies))
+
+    def close(self) -> None:
+        self.client.close()
 
 
 def _async_loop(config: DemoConfig, eng: VLLMDemoEngine, trainer, opt, targets, gen, ckpt: Path,
@@ -338,10 +442,9 @@ def _async_loop(config: DemoConfig, eng: VLLMDemoEngine, trainer, opt, targets, 
     """One-step off-policy: step k+1's rollouts are in flight while step k trains and its weights arrive."""
     from weight_sync.integrations.vllm import AsyncLLMControl
 
-    sender = None
+    control = AsyncLLMControl(eng.engine, eng.loop, timeout_s=TIMEOUT_S)
+    updates = (_WholeUpdate if config.pause_whole_update else _StagedUpdate)(config, eng, control, trainer)
     try:
-        control = AsyncLLMControl(eng.engine, eng.loop, timeout_s=TIMEOUT_S)
-        sender = _trainer_engine(config, control, trainer)
         results: list[StepResult] = []
         batch = _batch(config, gen)
         pending = eng.submit(_generate(eng.engine, config, batch, 0))
@@ -351,24 +454,24 @@ def _async_loop(config: DemoConfig, eng: VLLMDemoEngine, trainer, opt, targets, 
             lags = _lags(outs, step)
             next_batch = _batch(config, gen)
             if step + 1 < config.steps:
-                # In flight from here: generated by version ``step`` while the trainer trains, then
-                # continued by version step + 1 once it arrives.
+                # In flight from here: generated by version ``step`` while the trainer trains (and while
+                # its weights are staged), then continued by version step + 1 once committed.
                 pending = eng.submit(_generate(eng.engine, config, next_batch, step + 1))
             reward = _train_step(config, trainer, opt, batch, _token_ids(config, outs), targets)
-            t0 = time.perf_counter()
-            paused_s = _update_under_pause(eng, sender, step + 1)
-            sync_s = time.perf_counter() - t0
-            report = sender.last_report
+            up = updates.update(step + 1)
             match = _verify(config, control.collective_rpc("ws_fingerprint"), trainer, ckpt, scratch)
-            res = StepResult(step + 1, reward, sync_s, report.num_bytes, match, report.delta.get("mode"),
-                             max(lags), sum(lags) / len(lags), None, paused_s)
+            res = StepResult(step + 1, reward, up.sync_s, up.num_bytes, match, up.mode,
+                             max(lags), sum(lags) / len(lags), None, up.paused_s)
             results.append(res)
+            if up.commit_s is None:
+                how = f"whole update, generation paused {up.paused_s * 1e3:7.1f} ms"
+            else:
+                how = (f"push {up.sync_s * 1e3:7.1f} ms while generating, generation paused "
+                       f"{up.paused_s * 1e3:6.1f} ms (commit copy {up.commit_s * 1e3:5.2f} ms)")
             print(f"step {res.step:3d}  reward {res.reward:.3f}  staleness max {res.staleness_max} mean "
-                  f"{res.staleness_mean:.2f}  update v{step + 1}: generation paused {paused_s * 1e3:7.1f} ms  "
-                  f"{res.sync_bytes / 1e6:5.2f} MB  fingerprint match: {res.fingerprint_match}"
-                  + (f"  ({res.sync_mode})" if res.sync_mode else ""))
+                  f"{res.staleness_mean:.2f}  v{step + 1}: {how}  {res.sync_bytes / 1e6:5.2f} MB  "
+                  f"fingerprint match: {res.fingerprint_match}" + (f"  ({res.sync_mode})" if res.sync_mode else ""))
             batch = next_batch
         return results
     finally:
-        if sender is not None:
-            sender.shutdown()
+        updates.close()

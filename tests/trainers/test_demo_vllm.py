@@ -38,25 +38,48 @@ def test_the_vllm_demo_passes_every_fingerprint_check_against_a_fresh_vllm_engin
     assert saved["config"]["engine"] == "vllm" and len(saved["steps"]) == 2
 
 
-def test_the_async_vllm_demo_keeps_rollouts_in_flight_across_updates_at_most_one_step_stale(
-    tmp_path: Path, vllm_engine
-) -> None:
-    results = run_demo(DemoConfig(engine="vllm", asynchronous=True, steps=3, out_dir=tmp_path, **SMALL),
-                       vllm_engine=vllm_engine)
-    assert [r.fingerprint_match for r in results] == [True, True, True]
+def _last_update(engine: Any) -> dict[str, Any]:
+    return engine.run(engine.engine.collective_rpc("ws_last_report"))[0]
+
+
+def _at_most_one_step_stale(results: list[Any]) -> None:
     # Step 1 samples the initial checkpoint, the trainer's own version. Later rollouts were requested
     # before the trainer's previous step: their tokens are of that step's version or, once its update
-    # lands under the pause, of the trainer's (staleness 1 or 0), never older.
+    # is committed under the keep pause, of the trainer's (staleness 1 or 0), never older.
     assert results[0].staleness_max == 0
     assert all(r.staleness_max in (0, 1) for r in results)
     assert all(r.staleness_mean is not None and 0 <= r.staleness_mean <= 1 for r in results)
     assert all(r.paused_s is not None and r.paused_s > 0 for r in results)
 
 
+def test_the_async_vllm_demo_stages_every_update_while_rollouts_generate_and_commits_it_at_most_one_step_stale(
+    tmp_path: Path, vllm_engine
+) -> None:
+    results = run_demo(DemoConfig(engine="vllm", asynchronous=True, steps=3, out_dir=tmp_path, **SMALL),
+                       vllm_engine=vllm_engine)
+    assert [r.fingerprint_match for r in results] == [True, True, True]
+    _at_most_one_step_stale(results)
+    assert all(r.sync_bytes > 0 and r.sync_s > 0 for r in results)
+    # The engine's last update came through its staging twin: the commit of the last step's push.
+    last = _last_update(vllm_engine)
+    assert last["staged"] is True and str(last["commit"]["version"]) == "3"
+
+
+def test_the_async_vllm_demo_can_pause_for_the_whole_update_through_vllms_rl_api_instead(
+    tmp_path: Path, vllm_engine
+) -> None:
+    results = run_demo(DemoConfig(engine="vllm", asynchronous=True, pause_whole_update=True, steps=2,
+                                  out_dir=tmp_path, **SMALL), vllm_engine=vllm_engine)
+    assert [r.fingerprint_match for r in results] == [True, True]
+    _at_most_one_step_stale(results)
+    assert not _last_update(vllm_engine).get("staged")
+
+
 @pytest.mark.parametrize(("override", "refused"), [
     (dict(transport="inproc"), "engine 'vllm' needs a transport"),
     (dict(workers=2), "one worker"),
     (dict(quantization="int8"), "quantization 'fp8'"),
+    (dict(pause_whole_update=True), "pause_whole_update is a mode of the asynchronous vLLM loop"),
 ])
 def test_the_vllm_demo_refuses_what_it_cannot_run(override: dict[str, Any], refused: str) -> None:
     with pytest.raises(ValueError, match=refused):
