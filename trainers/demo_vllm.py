@@ -335,7 +335,7 @@ def _lags(outputs: list[Any], trainer_steps: int) -> list[int]:
 class _Update:
     """One asynchronous update, as the loop reports it."""
 
-    sync_s: float  # the weights' travel: the push (staged) or the whole update (paused)
+    sync_s: float  # the weights' travel: the push until staged on every worker, or the whole update
     paused_s: float  # how long generation was paused for it
     num_bytes: int
     mode: str | None  # delta sync's mode
@@ -414,8 +414,14 @@ class _StagedUpdate:
         # The in-flight rollouts keep generating on the committed version while this push is received
         # and processed (fp8 quantization) into every worker's twin. The trainer's next optimizer step
         # must wait for it: the source reads the trainer's parameters as it sends.
+        t0 = time.perf_counter()
         handle = self.client.push(self.source, version=version)
         report = handle.wait(TIMEOUT_S)
+        # The sender's finish returns once every worker voted, a moment before each twin has committed
+        # the update it received; wait for that here, while the engine still generates, not inside the
+        # pause (commit() asks again, and then the answer is immediate).
+        self.client.status(version=version)
+        staged_s = time.perf_counter() - t0
         # Why a keep pause around the commit, when the commit alone (a worker RPC, run between two
         # scheduler steps) already gives every token exactly one version: without a user pause the
         # engine hooks reset the prefix cache and preempt the running requests, which then re-prefill
@@ -431,7 +437,7 @@ class _StagedUpdate:
         copies = [c["seconds"] for c in commits if c is not None]
         if len(copies) != len(commits):
             raise WeightSyncError(f"demo: the staged commit of version {version} found nothing staged on a worker")
-        return _Update(handle.seconds or 0.0, paused_s, report.num_bytes, report.delta.get("mode"), max(copies))
+        return _Update(staged_s, paused_s, report.num_bytes, report.delta.get("mode"), max(copies))
 
     def close(self) -> None:
         self.client.close()
