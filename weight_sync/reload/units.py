@@ -195,14 +195,7 @@ class UnitLayers(ProcessedLayers):
                 data.zero_()
             bufs[name] = (key, data)
         ou.staging[unit], ou.spilled[unit] = bufs, spill
-        if spill:
-            self._spilled += nbytes
-            self._host_held += nbytes
-            self._host_peak = max(self._host_peak, self._host_held)
-        else:
-            self._buffered += nbytes
-            self._peak = max(self._peak, self._buffered)
-        self._held_peak = max(self._held_peak, self._buffered + self._host_held)
+        self._hold(nbytes, spill)
         return bufs
 
     def _write_unit(self, ou: OpenUnits, key: str, op: CopyOp, src: torch.Tensor) -> None:
