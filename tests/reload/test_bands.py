@@ -1,11 +1,17 @@
-"""Reloads of per-channel and block-scaled layers quantize each key's rows straight into the kernel tensors."""
+"""Reloads of per-channel, block- and per-tensor-scaled layers quantize each key's rows straight into the kernel tensors."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from weight_sync import IncompleteUpdateError, Manifest, ManifestError, begin_update
+from weight_sync import (
+    IncompleteUpdateError,
+    Manifest,
+    ManifestError,
+    UpdateStateError,
+    begin_update,
+)
 from weight_sync.engine import ReferenceEngine
 from weight_sync.reload import torn_reason
 from weight_sync.reload.state import get_state
@@ -127,3 +133,15 @@ def test_a_wider_wire_dtype_is_rounded_to_the_model_format_before_its_bands_are_
     assert report is not None and report.layers_banded
     fresh = ReferenceEngine.from_config(cfg, weights=iter(wide), quantization=quant)
     assert_bitwise_equal(engine.model, fresh.model)
+
+
+def test_a_per_tensor_matrix_still_missing_rows_at_finish_fails_instead_of_serving_its_old_bytes() -> None:
+    engine, cfg = _engine("fp8_per_tensor")
+    before = engine.fingerprint()
+    weights = list(random_weights(cfg, seed=1))
+    k = "model.layers.0.self_attn.k_proj.weight"
+    with pytest.raises(UpdateStateError, match=r"model\.layers\.0\.self_attn\.qkv_proj .*without load"), \
+            begin_update(engine.model, Manifest.from_named_tensors(weights), rollback=True) as s:
+        s.load([(n, t) for n, t in weights if n != k])
+        s.mark_applied(k, dict(weights)[k].nbytes)  # counted as arrived, written some other way
+    assert engine.fingerprint() == before and torn_reason(engine.model) is None

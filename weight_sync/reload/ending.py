@@ -106,6 +106,15 @@ class EndingSteps(UnitLayers):
                         f"missing {name_list(lacking)}",
                         tuple(sorted(lacking)),
                     )
+            waiting = self._writes.waiting_layers()
+            if waiting:
+                # Every key arrived, yet a one-scale matrix still misses rows: some key reached it another
+                # way than load() (e.g. written in place). Committing would serve its old bytes.
+                raise UpdateStateError(
+                    f"update {self.version!r}: {name_list(sorted(waiting))} still wait(s) for rows of a "
+                    "per-tensor-scaled matrix although every key arrived: a key was written without load(); "
+                    "nothing of that matrix was quantized"
+                )
             t0 = time.perf_counter()
             for hook in self.state.post_update_hooks:
                 hook(self.model)
