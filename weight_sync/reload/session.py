@@ -433,6 +433,11 @@ class UpdateSession(EndingSteps):
         if op.layer not in self.state.layers:
             raise LayoutMismatchError(f"{name}: a region writes into {op.layer}.{op.tensor}, and the model "
                                       f"has no layer {op.layer!r}")
+        if op.layer in self._banded:
+            # Its live tensors are quantized band by band from whole keys: a raw region copy into them
+            # would write model-format bytes into the kernel tensors.
+            raise UpdateStateError(f"{name}: a region writes into {op.layer}, which this update quantizes "
+                                   "band by band from whole keys; one layer cannot take both")
         self._prepare(op.layer, bands=False)
         ou = self._unit_open.get(op.layer) if self._unit_open else None
         if ou is not None:
