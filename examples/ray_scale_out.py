@@ -70,7 +70,10 @@ def main() -> int:
             job.train_step(scales[-1])
             out = job.sync(version)
             wrong = job.engine_rpc("differs_from", _stepped(ckpt, root / f"v{version}", scales))
-            for e, w in zip(out["engines"], wrong):
+            # One answer per engine actor: a reference actor is one TP rank, a vLLM actor a whole engine.
+            ranks_per_answer = len(out["engines"]) // len(wrong)
+            for e in out["engines"]:
+                w = wrong[e["engine_rank"] // ranks_per_answer]
                 got = sum(e["region_bytes"].values())
                 print(f"update {version} [{e['mode']}] engine rank {e['engine_rank']}: received {got} bytes "
                       f"({got / model_bytes:.0%} of the model's {model_bytes}), "
