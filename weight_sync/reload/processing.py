@@ -132,18 +132,8 @@ class ProcessedLayers:
                 # Counted before any view of ours exists: more uses after processing mean a reference kept.
                 lent[name] = (anchor, storage_uses(anchor))
                 nbytes -= info.records[name].nbytes  # the caller's memory, not staging
-        spill = self._buffered + nbytes > self.budget_bytes
-        waiting = [n for n, ou in self._unit_open.items() if ou.staging] if self._unit_open else []
-        if self._writes.matrices:
-            waiting.extend(self._writes.waiting_layers())
-        if self._open or waiting:
-            # Another layer still waits for keys: the stream is out of layer order. Reported once per
-            # update, when it ends, with the bytes really held (see UpdateSession._report_buffering).
-            self._waited.update(self._open)
-            self._waited.update(waiting)
-            self._waited.add(info.name)
-        where = self._host if spill else self.device
-        pin = spill and self.device.type == "cuda"
+        self._note_waiting(info.name, self._waiting_layers())
+        spill, where, pin = self._placement(nbytes)
         # Zero fill keeps regions no loader writes (padding) deterministic; tensors the plan's copies
         # overwrite entirely skip it. Only when completion is by expected keys: then a processed layer
         # is never processed before every one of its keys (and so every recorded copy) has arrived.
@@ -200,6 +190,37 @@ class ProcessedLayers:
         if spill:
             log.debug("update %r: staging %d bytes of %s in host memory (budget %d bytes)",
                       self.version, nbytes, info.name, self.budget_bytes)
+
+    def _waiting_layers(self) -> set[str]:
+        """Layers holding staging that still waits for keys: open layers, units with staging, one-scale
+        matrices missing rows."""
+        waiting = set(self._open)
+        if self._unit_open:
+            waiting.update(n for n, ou in self._unit_open.items() if ou.staging)
+        if self._writes.matrices:
+            waiting.update(self._writes.waiting_layers())
+        return waiting
+
+    def _note_waiting(self, layer: str, waiting: set[str]) -> None:
+        """``layer`` opens staging while ``waiting`` still wait for keys: the stream is out of layer (or
+        unit) order. Reported once per update, when it ends, with the bytes really held (see
+        ``UpdateSession._report_buffering``)."""
+        if waiting:
+            self._waited.update(waiting)
+            self._waited.add(layer)
+
+    def _placement(self, nbytes: int) -> tuple[bool, torch.device, bool]:
+        """(spill, device, pinned) of ``nbytes`` of new staging: the model's device within the budget,
+        else host memory (pinned on CUDA)."""
+        spill = self._buffered + nbytes > self.budget_bytes
+        return spill, self._host if spill else self.device, spill and self.device.type == "cuda"
+
+    def _release(self, nbytes: int, spill: bool) -> None:
+        """``nbytes`` of staging counted by :meth:`_hold` are no longer held."""
+        if spill:
+            self._host_held -= nbytes
+        else:
+            self._buffered -= nbytes
 
     def _hold(self, nbytes: int, spill: bool) -> None:
         """Count ``nbytes`` of staging opened on the device, or in host memory (spilled) when ``spill``."""
@@ -274,10 +295,7 @@ class ProcessedLayers:
             self._touched.add(info.name)
             self._first_processed.append(info)
         del self._open[info.name]
-        if ol.spilled:
-            self._host_held -= ol.nbytes
-        else:
-            self._buffered -= ol.nbytes
+        self._release(ol.nbytes, ol.spilled)
         ol.staging.clear()
         self._recycle(ol)
         self._processed_done.append(info.name)

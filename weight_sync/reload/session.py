@@ -114,7 +114,7 @@ class UpdateSession(EndingSteps):
             state.write_queue = WriteQueue()
         self._writes: WriteQueue = state.write_queue
         self._writes.drop()  # nothing of an earlier update may be left (it would have been flushed)
-        self._writes.carrier, self._writes.release = self._carry_band, self._release_band
+        self._writes.carrier, self._writes.release = self._carry_band, self._release
         self._writes.written = self._matrix_written
         self._buffered = 0
         self._peak = 0
@@ -382,14 +382,10 @@ class UpdateSession(EndingSteps):
         """A private copy of a band whose one-scale matrix still misses rows: that matrix's staging, on
         the device within the budget, else in host memory; (copy, whether in host memory)."""
         nbytes = src.nbytes
-        others = self._writes.waiting_layers() - {layer}
-        units = [n for n, ou in self._unit_open.items() if ou.staging] if self._unit_open else []
-        if self._open or others or units:
-            # Another layer waits for keys too: out of layer order, reported when the update ends.
-            self._waited.update(self._open, others, units, (layer,))
-        spill = self._buffered + nbytes > self.budget_bytes
-        copy = torch.empty(src.shape, dtype=src.dtype, device=self._host if spill else self.device,
-                           pin_memory=spill and self.device.type == "cuda")
+        # Other layers only: the matrix being carried is already among the waiting ones.
+        self._note_waiting(layer, self._waiting_layers() - {layer})
+        spill, where, pin = self._placement(nbytes)
+        copy = torch.empty(src.shape, dtype=src.dtype, device=where, pin_memory=pin)
         copy.copy_(src)
         self._hold(nbytes, spill)
         return copy, spill
@@ -400,13 +396,6 @@ class UpdateSession(EndingSteps):
         if layer not in self._touched:
             self._snapshot(self.state.layers[layer])
             self._touched.add(layer)
-
-    def _release_band(self, nbytes: int, spilled: bool) -> None:
-        """A carried band's matrix is complete: its copy no longer counts as staging held."""
-        if spilled:
-            self._host_held -= nbytes
-        else:
-            self._buffered -= nbytes
 
     # ------------------------------------------------------------------ writers other than load()
     # The sharded plane's region sink and the in-place delta applier write keys their own way; these are

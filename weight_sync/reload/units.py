@@ -172,15 +172,9 @@ class UnitLayers(ProcessedLayers):
         if bufs is not None:
             return bufs
         info, nbytes = ou.info, ou.units.unit_bytes
-        if self._open or self._writes.matrices or any(o.staging for o in self._unit_open.values()):
-            # Something else still waits for keys: out of layer (or unit) order, reported at the end.
-            self._waited.update(self._open)
-            self._waited.update(n for n, o in self._unit_open.items() if o.staging)
-            self._waited.update(self._writes.waiting_layers())
-            self._waited.add(info.name)
-        spill = self._buffered + nbytes > self.budget_bytes
-        where = self._host if spill else self.device
-        pin = spill and self.device.type == "cuda"
+        # Another unit of this layer with staging counts too: units out of order.
+        self._note_waiting(info.name, self._waiting_layers())
+        spill, where, pin = self._placement(nbytes)
         # Zero fill only where the recorded copies leave gaps: a tensor they write whole is written
         # whole unit by unit too, since every key writes inside one unit's slice.
         written = self.plan.fully_written(info.name, info.records)
@@ -238,10 +232,7 @@ class UnitLayers(ProcessedLayers):
         staging.clear()
         for key, data in bufs.values():
             self._staging_pool.setdefault(key, []).append(data)
-        if spilled:
-            self._host_held -= ou.units.unit_bytes
-        else:
-            self._buffered -= ou.units.unit_bytes
+        self._release(ou.units.unit_bytes, spilled)
         self._num_units += 1
         self._seconds["process"] += time.perf_counter() - t0
 
