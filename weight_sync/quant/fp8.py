@@ -171,23 +171,30 @@ def quantize_fp8(
         scale = s_out.copy_(scale)
     if fast:
         return scale_cast_fp8(w, scale, config.granularity, config.block_size, FP8_MAX, out=q_out), scale
+    q = q_out if q_out is not None else torch.empty((n, k), dtype=torch.float8_e4m3fn, device=w.device)
+    _cast_rows(w, scale, config, q)
+    return q, scale
+
+
+def _cast_rows(w: torch.Tensor, scale: torch.Tensor, config: Fp8Config, q: torch.Tensor) -> None:
+    """``q`` (fp8, the shape of ``w``) = ``w`` divided by its ``scale``, clamped and cast (the torch path),
+    in chunks of rows - whole tiles for 'block' - so the temporary memory is one 64 MB fp32 chunk."""
+    n, k = w.shape
     step = config.block_size[0] if config.granularity == "block" else 1
     rows = max(step, _CHUNK_BYTES // (4 * max(k, 1)) // step * step)
-    q = q_out if q_out is not None else torch.empty((n, k), dtype=torch.float8_e4m3fn, device=w.device)
     if rows >= n:
         # One chunk (every weight up to 64 MB in fp32, e.g. each expert of a per-unit reload): the same
         # operations without the slicing, which costs more host time than the kernels of a small weight.
         chunk = torch.empty((n, k), dtype=torch.float32, device=w.device)
         _scaled_rows(w, 0, scale, config, chunk)
         q.copy_(chunk.clamp_(-FP8_MAX, FP8_MAX))
-        return q, scale
+        return
     scratch = torch.empty(min(rows, n) * k, dtype=torch.float32, device=w.device)
     for r0 in range(0, n, rows):
         part = w[r0 : r0 + rows]
         chunk = scratch[: part.numel()].view(part.shape)
         _scaled_rows(part, r0, scale, config, chunk)
         q[r0 : r0 + rows].copy_(chunk.clamp_(-FP8_MAX, FP8_MAX))
-    return q, scale
 
 
 def quantize_fp8_bands(items: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], config: Fp8Config) -> None:
@@ -213,6 +220,9 @@ def quantize_fp8_bands(items: list[tuple[torch.Tensor, torch.Tensor, torch.Tenso
         quantize_fp8_grouped(grouped, config.granularity, config.block_size, FP8_MAX, _EPS)
     for w, q, s in rest:
         write_band(q, s, quantize_fp8(w, config, None, out=(q, s)))
+
+
+_PER_TENSOR = Fp8Config(granularity="tensor")
 
 
 def quantize_fp8_matrix_bands(items: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
@@ -252,14 +262,7 @@ def quantize_fp8_matrix_bands(items: list[tuple[torch.Tensor, torch.Tensor, torc
             absmax = torch.maximum(absmax, _absmax(w))
         scale = s.copy_(_scale(absmax.reshape(1)))
         for w, q, _ in bands:
-            n, k = w.shape
-            rows = max(1, _CHUNK_BYTES // (4 * max(k, 1)))
-            chunk = torch.empty((min(rows, n), k), dtype=torch.float32, device=w.device)
-            for r0 in range(0, n, rows):
-                part = w[r0 : r0 + rows]
-                c = chunk[: part.shape[0]]
-                torch.div(part, scale, out=c)
-                q[r0 : r0 + rows].copy_(c.clamp_(-FP8_MAX, FP8_MAX))
+            _cast_rows(w, scale, _PER_TENSOR, q)
 
 
 def _tile_grid(n: int, k: int, block_size: tuple[int, int]) -> tuple[int, int]:
