@@ -2,7 +2,7 @@
 # GPU tests and GPU benchmarks, run on the device machine (H200, torch 2.11 + CUDA 13, no install).
 #
 #   bash scripts/gpu_check.sh [limits] [tests] [quant] [reload] [moe] [offload_update] [offload] [transport]
-#                          [multi]   (default: all)
+#                          [multi] [async] [async_gloo] [delta]   (default: all but async, async_gloo, delta)
 #   (transport = transport_ipc transport_sweep transport_nccl, each also a phase of its own)
 #   bash scripts/gpu_check.sh peers   (opt-in: bench_peers.py, weight_sync next to checkpoint-engine from .whl/)
 #
@@ -87,6 +87,16 @@ for phase in "${phases[@]}"; do
           --enable-distributed-layerwise-offload --data-parallel-size 2 --num-blocks 16 --hidden 3072 \
           --heads 24 --in-channels 64 --tokens 4096 --steps 2 --dtype bfloat16
       fi ;;
+    async)  # issue 20: decode throughput while updates arrive (0.6B smoke first: it fails fast)
+      step bench_async_smoke 150 python3 benchmarks/bench_async.py --device cuda --preset qwen3-0.6b --batch 8 \
+        --steps 64 --every 16 --sources local,ipc --repeats 1 --tag h200_smoke --results-dir gpu_out
+      step bench_async 360 python3 benchmarks/bench_async.py --device cuda --preset qwen3-8b --batch 8 --steps 512 \
+        --every 64 --sources local,ipc --tag h200 ;;
+    async_gloo)  # issue 20: the slow path, gloo from host memory
+      step bench_async_gloo 360 python3 benchmarks/bench_async.py --device cuda --preset qwen3-8b --batch 8 \
+        --steps 512 --every 128 --sources gloo --repeats 1 --tag h200_gloo ;;
+    delta)  # issue 18: delta apply into an fp8_block engine over ipc against its full reload
+      step bench_delta 420 python3 benchmarks/bench_delta.py --device cuda --quantization fp8_block --tag h200_fp8_block ;;
     peers)  # issue 15.4: pinned host -> one GPU, weight_sync next to checkpoint-engine and the pinned H2D bound
       step bench_peers 560 python3 benchmarks/bench_peers.py --tag h200 --profile ;;
     *) echo "unknown phase $phase"; status=2 ;;

@@ -438,6 +438,20 @@ class ReferenceEngine:
         probs = torch.softmax(logits.float() / temperature, dim=-1)
         return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
 
+    @staticmethod
+    def _tokens(nxt: torch.Tensor) -> list[int]:
+        """The sampled tokens on the host.
+
+        On CUDA the wait for the step is an event's, which releases the GIL: ``tolist()`` alone blocks
+        in the device-to-host copy holding it, for the whole step, and a thread staging the next version
+        meanwhile (a transport receiving in the background) would get the interpreter only between steps.
+        """
+        if nxt.is_cuda:
+            done = torch.cuda.Event()
+            done.record()
+            done.synchronize()
+        return [int(t) for t in nxt.tolist()]
+
     def _prefill(self, rows: list[list[int]], pads: torch.Tensor, temperature: float,
                  gen: torch.Generator | None) -> torch.Tensor:
         """Fill the KV cache for left-padded ``rows`` (slots 0..len-1); returns the next tokens."""
@@ -475,7 +489,7 @@ class ReferenceEngine:
         # (version, first output index) for every version that produced tokens of this batch.
         starts = [(self.weight_version, 0)]
         nxt = self._prefill(padded, pads, temperature, gen)
-        result = [[int(t)] for t in nxt.tolist()]
+        result = [[t] for t in self._tokens(nxt)]
         s["pad"].zero_()
         s["pad"][:b].copy_(pads)
         s["ids"].zero_()
@@ -495,16 +509,16 @@ class ReferenceEngine:
                     nxt = self._prefill([row + out for row, out in zip(padded, result)], pads,
                                         temperature, gen)
                     filled = p + step + 1
-                    for row, tok in zip(result, nxt.tolist()):
-                        row.append(int(tok))
+                    for row, tok in zip(result, self._tokens(nxt)):
+                        row.append(tok)
                     continue
             s["ids"][:b, 0].copy_(nxt)
             s["slot"].fill_(filled)
             self._run_decode()
             filled += 1
             nxt = self._pick(s["logits"][:b], temperature, gen)
-            for row, tok in zip(result, nxt.tolist()):
-                row.append(int(tok))
+            for row, tok in zip(result, self._tokens(nxt)):
+                row.append(tok)
         ends = [start for _, start in starts[1:]] + [max_new_tokens]
         spans = tuple(VersionSpan(v, a, e) for (v, a), e in zip(starts, ends))
         return [Rollout(row, spans) for row in result]

@@ -54,6 +54,20 @@ Carrier = Callable[[str, torch.Tensor], tuple[torch.Tensor, bool]]
 Release = Callable[[int, bool], None]
 
 
+def _on(src: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``src`` on the kernel tensors' device in the model-format ``dtype``.
+
+    A host source of a device engine is copied over first (a blocking copy: the caller may reuse a
+    pinned source once the call returns), so its quantization runs on the device like every other
+    band's. A wider wire dtype (an fp32 trainer into a bf16 model) is then rounded into ``dtype``: the
+    staged path rounds it into model-format staging before quantizing, and so must a band, or its bytes
+    would differ from a fresh load's.
+    """
+    if src.device != device:
+        src = src.to(device)
+    return src if src.dtype is dtype else src.to(dtype)
+
+
 class WriteQueue:
     """Queued small copies and band quantizations of one ``load`` call (see the module docstring)."""
 
@@ -80,19 +94,13 @@ class WriteQueue:
     def band_writer(self, band: RowBands, q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype,
                     layer: str = "") -> Callable[[torch.Tensor], None]:
         """``fn(src)`` queueing the band quantization of ``src`` into ``q`` / ``s`` (of ``layer``, whose
-        model format is ``dtype``).
-
-        A source in another dtype (an fp32 wire into a bf16 model) is converted first: the staged path
-        rounds it into model-format staging before quantizing, and so must a band, or its bytes would
-        differ from a fresh load's.
-        """
+        model format is ``dtype``; ``src`` is moved and converted first, see :func:`_on`)."""
         quantize = band.quantize
         if band.matrix_rows:
             return self._matrix_writer(band, q, s, dtype, layer)
 
         def fn(src: torch.Tensor) -> None:
-            if src.dtype is not dtype:
-                src = src.to(dtype)
+            src = _on(src, q.device, dtype)
             items = self.bands.get(quantize)
             if items is None:
                 items = self.bands[quantize] = []
@@ -106,8 +114,7 @@ class WriteQueue:
         quantize, rows, slot = band.quantize, band.matrix_rows, s.data_ptr()
 
         def fn(src: torch.Tensor) -> None:
-            if src.dtype is not dtype:
-                src = src.to(dtype)  # as band_writer: what the staging would hold
+            src = _on(src, q.device, dtype)  # as band_writer
             m = self.matrices.get(slot)
             if m is None:
                 m = self.matrices[slot] = _Matrix(layer, rows)
