@@ -23,8 +23,8 @@ throughput >= 0.9x none.
     python benchmarks/bench_async.py                            # CPU, CI-sized (~1-2 min)
     python benchmarks/bench_async.py --device cuda --preset qwen3-8b --batch 8 --steps 512 \\
         --every 64 --sources local,ipc --tag h200               # one H200, CUDA graphs, colocated
-    python benchmarks/bench_async.py --device cuda --preset qwen3-8b --batch 8 --steps 512 \\
-        --every 128 --sources gloo --repeats 1 --tag h200_gloo  # the slow path: gloo from host memory
+    python benchmarks/bench_async.py --device cuda --preset qwen3-8b --batch 8 --steps 1536 \\
+        --every 512 --sources gloo --repeats 1 --tag h200_gloo  # the slow path (~13 s per update)
 """
 
 from __future__ import annotations

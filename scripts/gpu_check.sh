@@ -94,7 +94,7 @@ for phase in "${phases[@]}"; do
         --every 64 --sources local,ipc --tag h200 ;;
     async_gloo)  # issue 20: the slow path, gloo from host memory
       step bench_async_gloo 360 python3 benchmarks/bench_async.py --device cuda --preset qwen3-8b --batch 8 \
-        --steps 512 --every 128 --sources gloo --repeats 1 --tag h200_gloo ;;
+        --steps 1536 --every 512 --sources gloo --repeats 1 --tag h200_gloo ;;
     delta)  # issue 18: delta apply into an fp8_block engine over ipc against its full reload
       step bench_delta 420 python3 benchmarks/bench_delta.py --device cuda --quantization fp8_block --tag h200_fp8_block ;;
     peers)  # issue 15.4: pinned host -> one GPU, weight_sync next to checkpoint-engine and the pinned H2D bound

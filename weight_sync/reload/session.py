@@ -234,21 +234,23 @@ class UpdateSession(EndingSteps):
             raise DuplicateTensorError(f"{name}: arrived twice in update {self.version!r}")
         if not isinstance(tensor, torch.Tensor):
             raise LayoutMismatchError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
+        shape = tensor.shape  # read once: each read builds a torch.Size (this runs for every name)
         if self._announced is not None:
             announced = self._announced.get(name)
-            if announced is None or tensor.shape != announced[0] or tensor.dtype is not announced[1]:
+            if announced is None or shape != announced[0] or tensor.dtype is not announced[1]:
                 self._check_announced(name, tensor)
         fast = self._views.get(name)
         if fast is not None:
             # Hot path: a planned key into direct layers, destinations precomputed as views of live
             # storage (valid while pointers are unchanged, which every update verifies).
             kp, views = fast
-            if tensor.shape != kp.shape or (kp.floating and tensor.dtype not in _FLOATS):
-                raise LayoutMismatchError(check_against_plan(kp, tuple(tensor.shape), tensor.dtype))
+            if shape != kp.shape or (kp.floating and tensor.dtype not in _FLOATS):
+                raise LayoutMismatchError(check_against_plan(kp, tuple(shape), tensor.dtype))
             self._arrived.add(name)
             self._num_bytes += tensor.nbytes
+            touched = self._touched
             for layer in kp.layers:
-                if layer not in self._touched:
+                if layer not in touched:
                     self._prepare(layer)
             for write, op in views:
                 write(tensor if op.src_whole else _src_view(op, tensor))
