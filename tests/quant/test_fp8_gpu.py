@@ -126,3 +126,25 @@ def test_quantizing_into_given_outputs_on_cuda_writes_them_bitwise_like_new_ones
     assert q is q_out and s is s_out
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
     assert torch.equal(s.view(torch.int32), s_ref.view(torch.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("granularity,block", [("tensor", (128, 128)), ("channel", (128, 128)),
+                                               ("block", (128, 128)), ("block", (100, 50))])
+def test_the_triton_dequantize_gives_the_torch_paths_weight_bitwise(dtype, granularity, block, monkeypatch) -> None:
+    if not fp8.triton_available():
+        pytest.skip("Triton is not importable here")
+    config = Fp8Config(granularity=granularity, block_size=block)
+    for i, shape in enumerate(SHAPES):
+        q, s = quantize_fp8(random_weight(shape, torch.float32, i, "cuda"), config)
+        half = max(1, shape[1] // 2)
+        # Contiguous, and a column prefix: a view whose row stride is wider than its rows.
+        for qq, ss in ((q, s), (q[:, :half], s[:, : -(-half // block[1])] if granularity == "block" else s)):
+            fast = fp8.dequantize_fp8(qq, ss, config, dtype)
+            with monkeypatch.context() as m:
+                m.setattr(fp8, "triton_available", lambda: False)
+                ref = fp8.dequantize_fp8(qq, ss, config, dtype)
+            assert fast.dtype == ref.dtype == dtype
+            bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[dtype.itemsize]
+            assert torch.equal(fast.view(bits), ref.view(bits)), (shape, tuple(qq.shape), dtype, granularity, block)
