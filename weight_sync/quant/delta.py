@@ -5,20 +5,27 @@ layer's *model-format* weight (the fused, TP-sharded, full-precision tensor its 
 base of the next delta. :func:`apply_quantized_delta_` writes the changed values into that base and
 rewrites only the kernel-tensor parts the changes reach:
 
-- **block scales** (``fp8_block``): the ``block_size`` tiles that contain a change (scale and values);
-  when changes spread over many tiles (an RL step touches nearly all), one read of the base gives
-  every tile's new scale, the tiles whose scale moved are rewritten whole and in the others only the
-  changed elements are requantized;
+- **block scales** (``fp8_block``): each tile's absmax is kept (:func:`delta_absmax`: fp32, one per
+  tile) and moved by the changes alone: the largest new ``|value|`` of a tile if it reaches the old
+  absmax, the old absmax if no changed element held it, and only where the element holding it was
+  lowered (or a value is not finite) is the tile read. The tiles whose scale moved are requantized
+  whole, together (one gather of a (tiles, bn, bk) batch); in the others only the changed elements;
 - **per-channel scales** (``fp8_per_channel``, ``int8``): the rows that contain a change;
-- **per-tensor scale** (``fp8``): the new scale is computed from the whole base (one read, MAX-reduced
-  over the TP group like the full quantization); if it equals the live scale, only the changed elements
-  are requantized, otherwise the whole tensor is.
+- **per-tensor scale** (``fp8``): this rank's absmax is kept and moved the same way (the whole base is
+  read only when the max element was lowered), then MAX-reduced over the TP group like the full
+  quantization; if the new scale equals the live one, only the changed elements are requantized,
+  otherwise the whole tensor is.
 
 Why it is exact: every quantization here is a function of (element, its scale) once the scale is known,
 and a scale is a function of its row / tile / tensor only. Requantizing a row or tile alone therefore
 runs the same fp32 division, clamp and cast on the same inputs as the full quantization does
 (``quant/fp8.py``'s chunked loop, ``quant/int8.py``); padding a ragged tile with zeros cannot change
 ``max(max, -min)``. Where most of a tensor is touched the full quantization is simply run instead.
+The kept absmax is exact too: a max is exact in any order, and after the changes a tile's (tensor's)
+absmax is the larger of its unchanged elements' and its changed elements' new ones, where the
+unchanged elements' is the old absmax unless a changed element held it (then the tile is read). It is
+kept clamped at 1e-12 as the scale is (``clamp(absmax, 1e-12) / 448``): below that the scale does not
+depend on it.
 
 Fused layers: a change at flat position ``p`` of the checkpoint tensor ``q_proj`` lands at
 ``p + row_offset * cols`` of the fused ``qkv`` base (:func:`fused_positions`).
@@ -30,6 +37,7 @@ weights; on CUDA the exactness relies on the Triton kernels being bitwise equal 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -37,11 +45,11 @@ import torch.distributed as dist
 
 from weight_sync.errors import ConfigError, LayoutMismatchError
 from weight_sync.quant.base import LinearMethod
-from weight_sync.quant.fp8 import FP8_MAX, Fp8LinearMethod, _absmax, _scale
+from weight_sync.quant.fp8 import _EPS, FP8_MAX, Fp8LinearMethod, _absmax, _scale
 from weight_sync.quant.int8 import Int8LinearMethod, quantize_int8
 from weight_sync.quant.online import OnlineQuantLinearMethod, reduce_max
 
-__all__ = ["DeltaRequant", "apply_quantized_delta_", "fused_positions"]
+__all__ = ["DeltaRequant", "apply_quantized_delta_", "delta_absmax", "fused_positions"]
 
 # Beyond this fraction of a tensor's rows or tiles touched, one full quantization is cheaper than
 # gathering the touched parts (and it is the same bytes either way).
@@ -66,6 +74,24 @@ def fused_positions(positions: torch.Tensor, row_offset: int, cols: int) -> torc
     return positions + row_offset * cols
 
 
+def delta_absmax(method: LinearMethod, base: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
+    """The absmax state a delta maintains for ``method`` (None where it keeps none), for ``base`` whose
+    live scales are ``scale``: fp32 ``clamp(max |x|, 1e-12)`` per block tile (the scale's shape) or, for
+    a per-tensor scale, of this rank's shard (shape ``(1,)``), on ``scale``'s device.
+
+    Pass it to every following :func:`apply_quantized_delta_` of the same ``base``; the deltas keep it
+    current, so they need not read the whole base. Block tiles of a 2-byte base take it from ``scale``
+    (no read of the base, see :func:`_absmax_from_scale`); otherwise one read of ``base``.
+    """
+    if not isinstance(method, Fp8LinearMethod) or method.config.granularity == "channel":
+        return None
+    if method.config.granularity == "tensor":
+        return _absmax(base.to(scale.device)).clamp(min=_EPS).reshape(1)
+    if base.dtype in (torch.bfloat16, torch.float16):
+        return _absmax_from_scale(scale, base.dtype)
+    return _read_tile_absmax(base, *method.config.block_size, scale.device)
+
+
 def apply_quantized_delta_(
     method: LinearMethod,
     base: torch.Tensor,
@@ -74,13 +100,17 @@ def apply_quantized_delta_(
     qweight: torch.Tensor,
     scale: torch.Tensor,
     group: dist.ProcessGroup | None = None,
+    absmax: torch.Tensor | None = None,
 ) -> DeltaRequant:
-    """Write ``values`` at flat ``positions`` of the model-format ``base`` and requantize in place only
-    the parts of ``qweight`` / ``scale`` (the live kernel tensors) the changes reach.
+    """Write ``values`` at flat ``positions`` (distinct, as :func:`~weight_sync.transport.delta.decode_delta`
+    gives them) of the model-format ``base`` and requantize in place only the parts of ``qweight`` /
+    ``scale`` (the live kernel tensors) the changes reach.
 
     Afterwards ``qweight`` and ``scale`` are bitwise equal to ``method.quantize(base)``. ``base`` may
     live on the host while the kernel tensors live on the device; the touched parts travel. With a
     per-tensor scale and a TP ``group`` every rank must call this for the same layer (it all-reduces).
+    ``absmax``: the state :func:`delta_absmax` made for this base (block and per-tensor scales), kept
+    current here in place; without it, it is made first.
     """
     if base.dim() != 2 or not base.is_contiguous():
         raise LayoutMismatchError(f"delta base must be a contiguous 2-D weight, got {tuple(base.shape)} {base.stride()}")
@@ -91,14 +121,26 @@ def apply_quantized_delta_(
     if positions.numel() != values.numel():
         raise LayoutMismatchError(f"{positions.numel()} changed positions but {values.numel()} values")
     pos = positions.to(base.device, torch.int64).reshape(-1)
-    base.view(-1)[pos] = values.to(base.device, base.dtype).reshape(-1)
+    vals = values.to(base.device, base.dtype).reshape(-1)
+    flat = base.view(-1)
+    if isinstance(method, Fp8LinearMethod) and method.config.granularity != "channel":
+        block = method.config.granularity == "block"
+        if absmax is None and block:
+            absmax = delta_absmax(method, base, scale)  # of the old base: the state the changes move
+        if absmax is not None:
+            want = tuple(scale.shape) if block else (1,)
+            if tuple(absmax.shape) != want or absmax.dtype != torch.float32 or absmax.device != scale.device:
+                raise LayoutMismatchError(f"absmax state must be fp32 {want} on {scale.device}, got "
+                                          f"{absmax.dtype} {tuple(absmax.shape)} on {absmax.device}")
+        old = flat[pos]
+        flat[pos] = vals
+        if block:
+            assert absmax is not None
+            return _tiles(method, base, pos, old, vals, qweight, scale, absmax)
+        return _per_tensor(method, base, pos, old, vals, qweight, scale, group, absmax)
+    flat[pos] = vals
     if isinstance(method, Fp8LinearMethod):
-        granularity = method.config.granularity
-        if granularity == "block":
-            return _tiles(method, base, pos, qweight, scale)
-        if granularity == "channel":
-            return _rows(method, base, pos, qweight, scale)
-        return _per_tensor(method, base, pos, qweight, scale, group)
+        return _rows(method, base, pos, qweight, scale)
     if isinstance(method, Int8LinearMethod):
         return _rows(method, base, pos, qweight, scale)
     if isinstance(method, OnlineQuantLinearMethod):
@@ -139,32 +181,30 @@ def _rows(method: OnlineQuantLinearMethod, base: torch.Tensor, pos: torch.Tensor
     return DeltaRequant("row", rows.numel(), False)
 
 
-def _tiles(method: Fp8LinearMethod, base: torch.Tensor, pos: torch.Tensor, qweight: torch.Tensor,
-           scale: torch.Tensor) -> DeltaRequant:
-    bn, bk = method.config.block_size
+def _absmax_from_scale(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Each tile's ``clamp(absmax, 1e-12)`` recovered from its scale ``clamp(absmax, 1e-12) / 448``, for a
+    base of 2-byte float ``dtype``, without reading the base.
+
+    Exact: the absmax is a ``dtype`` value (a max of elements), and two such values above 1e-12 differ
+    by at least 2**-11 relatively (8 or 11 significant bits), while the fp32 division and the product
+    back each err by at most 2**-24: rounding ``scale * 448`` to ``dtype`` gives the absmax back. A scale
+    of ``1e-12 / 448`` is the clamp's (absmax <= 1e-12). Non-finite scales stay non-finite (the delta
+    then reads those tiles). Relies on ``scale`` being what the quantization made of the base.
+    """
+    back = torch.mul(scale, scale.new_full((), FP8_MAX)).to(dtype).float()
+    floor = _scale(scale.new_zeros(()))
+    return torch.where(scale.view(torch.int32) == floor.view(torch.int32), scale.new_full((), _EPS), back)
+
+
+def _read_tile_absmax(base: torch.Tensor, bn: int, bk: int, dev: torch.device) -> torch.Tensor:
+    """Every tile's ``clamp(absmax, 1e-12)`` (fp32, on ``dev``) from one read of the whole base."""
     n, k = base.shape
     nb, kb = -(-n // bn), -(-k // bk)
-    tile_of = (pos // k) // bn * kb + (pos % k) // bk
-    # Which tiles are touched: a count per tile (one pass over the changes, no sort).
-    tiles = torch.bincount(tile_of, minlength=nb * kb).nonzero().reshape(-1)
-    if tiles.numel() == 0:
-        return DeltaRequant("tile", 0, False)
-    if tiles.numel() * bn * bk * 8 < base.numel():
-        # A few tiles: each one requantized whole, from its own read.
-        for t in tiles.tolist():
-            _requantize_tile(base, int(t), kb, bn, bk, qweight, scale)
-        return DeltaRequant("tile", tiles.numel(), False)
-    # Changes spread over many tiles (the usual RL step touches nearly every one): one read of the
-    # base gives every tile's new scale; a tile whose scale did not move needs only its changed
-    # elements requantized (an element's fp8 value is a function of it and its tile's scale), and
-    # only the tiles whose scale moved are rewritten whole.
-    dev = qweight.device
-    b = base.to(dev)
-    v = b
+    v = base.to(dev)
     if n % bn or k % bk:
         # Zero padding cannot change max(max, -min) of a ragged tile (module docstring).
-        v = b.new_zeros(nb * bn, kb * bk)
-        v[:n, :k] = b
+        v = v.new_zeros(nb * bn, kb * bk)
+        v[:n, :k] = base
     if dev.type == "cpu":
         # max(max, -min) per tile as _absmax computes it, reduced over each tile row's bk elements
         # and then over its bn rows, in fp32 (exact for every float weight: max and min are exact in
@@ -172,46 +212,106 @@ def _tiles(method: Fp8LinearMethod, base: torch.Tensor, pos: torch.Tensor, qweig
         f = v.float().view(-1, bk)
         hi = f.amax(dim=1).view(nb, bn, kb).amax(dim=1)
         lo = f.amin(dim=1).view(nb, bn, kb).amin(dim=1)
-        new_scale = _scale(torch.maximum(hi, -lo))
+        return torch.maximum(hi, -lo).clamp_(min=_EPS)
+    return _absmax(v.view(nb, bn, kb, bk), dim=(1, 3)).clamp_(min=_EPS)
+
+
+def _new_max(index: torch.Tensor, values: torch.Tensor, size: int) -> torch.Tensor:
+    """Per unit (``size`` of them), max |value| of the changes ``index`` puts in it (0 where none);
+    a NaN or infinite value counts as +inf, which sends its unit to a whole read."""
+    a = torch.nan_to_num(values.abs().float(), nan=math.inf, posinf=math.inf)
+    return a.new_zeros(size).scatter_reduce_(0, index, a, "amax")
+
+
+def _tiles(method: Fp8LinearMethod, base: torch.Tensor, pos: torch.Tensor, old: torch.Tensor, new: torch.Tensor,
+           qweight: torch.Tensor, scale: torch.Tensor, absmax: torch.Tensor) -> DeltaRequant:
+    """Block scales: ``base`` already holds ``new`` at ``pos`` (``old`` were there); ``absmax`` is the
+    old base's per-tile state (:func:`delta_absmax`), moved here to the new base's."""
+    if pos.numel() == 0:
+        return DeltaRequant("tile", 0, False)
+    bn, bk = method.config.block_size
+    n, k = base.shape
+    nb, kb = -(-n // bn), -(-k // bk)
+    dev = qweight.device
+    m, sf = absmax.view(-1), scale.view(-1)
+    p = pos.to(dev)
+    tile_of = (p // k) // bn * kb + (p % k) // bk
+    # Each tile's new absmax from the changes alone: the largest |new| if it reaches the old absmax;
+    # the old one if no changed element held it; otherwise (the max element lowered) unknown without
+    # a read of the tile. Non-finite values and states are read too (as _absmax of the tile would).
+    new_max = _new_max(tile_of, new.to(dev), m.numel())
+    held = torch.zeros_like(m).scatter_reduce_(0, tile_of, (old.to(dev).abs().float() == m[tile_of]).float(), "amax")
+    touched = torch.zeros_like(m).index_fill_(0, tile_of, 1.0)
+    grown = new_max >= m
+    m.copy_(torch.maximum(m, new_max))  # exact for every tile not read below
+    whole = (held.bool() & ~grown) | ~torch.isfinite(m) | (_scale(m).view(torch.int32) != sf.view(torch.int32))
+    # The one host sync: the batch of tiles to rewrite whole needs its size.
+    num_touched, num_whole = (int(x) for x in torch.stack([touched.sum(), whole.sum(dtype=torch.float32)]).tolist())
+    if num_whole > _FULL_FRACTION * nb * kb:
+        _full(method, base, qweight, scale, None)
+        fresh = delta_absmax(method, base, scale)
+        assert fresh is not None  # a block method keeps one
+        absmax.copy_(fresh)
+        return DeltaRequant("tile", num_touched, True)
+    ids = torch.nonzero_static(whole, size=num_whole).reshape(-1)
+    if num_whole:
+        # The tiles whose scale moved (or whose absmax needs the read), requantized together: one
+        # gather of their elements as a (tiles, bn, bk) batch; a ragged tile's missing rows / columns
+        # repeat its last ones (clamped indices), which no more changes its max(max, -min) than the
+        # full quantization's zero padding does, and writes those elements' own bytes twice.
+        bdev = base.device
+        ids_b = ids.to(bdev)
+        rows = (ids_b // kb * bn)[:, None] + torch.arange(bn, device=bdev)
+        cols = (ids_b % kb * bk)[:, None] + torch.arange(bk, device=bdev)
+        if n % bn:
+            rows.clamp_(max=n - 1)
+        if k % bk:
+            cols.clamp_(max=k - 1)
+        at = rows[:, :, None] * k + cols[:, None, :]
+        tiles = base.view(-1)[at].to(dev)
+        a = _absmax(tiles, dim=(1, 2))
+        s = _scale(a)
+        m[ids] = a.clamp_(min=_EPS)
+        sf[ids] = s
+    # Every changed element with its tile's (now final) scale: an element's fp8 value is a function of
+    # it and that scale. Elements of whole tiles are written again, identically, below.
+    q = torch.div(new.to(dev), sf[tile_of]).clamp_(-FP8_MAX, FP8_MAX)
+    raw = _raw(qweight).view(-1)
+    raw[p] = _raw(q.to(qweight.dtype))  # fp8 has no index kernels: move the bytes
+    if num_whole:
+        # As quantize_fp8: the fp32 division by the tile's scale, clamp, cast.
+        qt = torch.div(tiles, s[:, None, None]).clamp_(-FP8_MAX, FP8_MAX).to(qweight.dtype)
+        raw[at.to(dev)] = _raw(qt)
+    return DeltaRequant("tile", num_touched, False)
+
+
+def _per_tensor(method: Fp8LinearMethod, base: torch.Tensor, pos: torch.Tensor, old: torch.Tensor,
+                new: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, group: dist.ProcessGroup | None,
+                absmax: torch.Tensor | None) -> DeltaRequant:
+    """A per-tensor scale: ``base`` already holds ``new`` at ``pos``; ``absmax`` (optional) is this
+    rank's state (:func:`delta_absmax`) of the old base, moved here to the new base's."""
+    dev = qweight.device
+    if absmax is None:
+        local = _absmax(base.to(dev)).clamp(min=_EPS).reshape(1)  # one read of the base, as before
+    elif pos.numel() == 0:
+        local = absmax
     else:
-        new_scale = _scale(_absmax(v.view(nb, bn, kb, bk), dim=(1, 3)))
-    moved = (new_scale.view(torch.int32) != scale.view(torch.int32)).reshape(-1)
-    moved_tiles = moved.nonzero().reshape(-1).tolist()
-    if len(moved_tiles) > _FULL_FRACTION * nb * kb:
-        return _full(method, base, qweight, scale, None, "tile", tiles.numel())
-    dev_tiles = tile_of.to(dev)
-    keep = ~moved[dev_tiles]
-    p = pos.to(dev)[keep]
-    q = torch.div(b.view(-1)[p], scale.reshape(-1)[dev_tiles[keep]]).clamp_(-FP8_MAX, FP8_MAX)
-    _raw(qweight).view(-1)[p] = _raw(q.to(qweight.dtype))  # fp8 has no index kernels: move the bytes
-    for t in moved_tiles:
-        _requantize_tile(b, int(t), kb, bn, bk, qweight, scale)
-    return DeltaRequant("tile", tiles.numel(), False)
-
-
-def _requantize_tile(base: torch.Tensor, t: int, kb: int, bn: int, bk: int, qweight: torch.Tensor,
-                     scale: torch.Tensor) -> None:
-    i, j = divmod(t, kb)
-    rows, cols = slice(i * bn, (i + 1) * bn), slice(j * bk, (j + 1) * bk)
-    tile = base[rows, cols].to(qweight.device)
-    # As quantize_fp8: the scale from max(max, -min) of the tile, then an fp32 division, clamp, cast.
-    s = _scale(_absmax(tile).reshape(1))
-    scale[i, j] = s[0]
-    qweight[rows, cols] = torch.div(tile, s).clamp_(-FP8_MAX, FP8_MAX).to(qweight.dtype)
-
-
-def _per_tensor(method: Fp8LinearMethod, base: torch.Tensor, pos: torch.Tensor, qweight: torch.Tensor,
-                scale: torch.Tensor, group: dist.ProcessGroup | None) -> DeltaRequant:
-    # One read of the base gives the new scale; every rank takes part in the reduction even with nothing
-    # changed locally, since another rank's change moves the shared scale.
-    new_scale = _scale(reduce_max(_absmax(base.to(qweight.device)).reshape(1), group))
+        # As for a tile (_tiles): the changes decide the new absmax unless they lowered the max element.
+        new_max = _new_max(torch.zeros_like(pos, device=dev), new.to(dev), 1)
+        held = (old.to(dev).abs().float() == absmax).any()
+        local = torch.maximum(absmax, new_max)
+        if bool((held & (new_max < absmax)) | ~torch.isfinite(local)):
+            local = _absmax(base.to(dev)).clamp(min=_EPS).reshape(1)
+        absmax.copy_(local)
+    # Every rank takes part in the reduction even with nothing changed locally, since another rank's
+    # change moves the shared scale (max of the clamped absmaxes = the clamp of their max).
+    new_scale = _scale(reduce_max(local.clone(), group))
     if not torch.equal(new_scale.view(torch.int32), scale.reshape(1).view(torch.int32)):
         return _full(method, base, qweight, scale, group)
     if pos.numel() > _FULL_FRACTION * base.numel():
         # Same scale, most elements changed: the cast of everything, without another reduction.
         qweight.view(-1).copy_(torch.div(base.to(qweight.device).view(-1), scale.reshape(1)).clamp_(-FP8_MAX, FP8_MAX))
         return DeltaRequant("element", pos.numel(), True)
-    vals = base.view(-1)[pos].to(qweight.device)
-    q = torch.div(vals, scale.reshape(1)).clamp_(-FP8_MAX, FP8_MAX).to(qweight.dtype)
-    _raw(qweight).view(-1)[pos.to(qweight.device)] = _raw(q)
+    q = torch.div(new.to(dev), scale.reshape(1)).clamp_(-FP8_MAX, FP8_MAX).to(qweight.dtype)
+    _raw(qweight).view(-1)[pos.to(dev)] = _raw(q)
     return DeltaRequant("element", pos.numel(), False)

@@ -47,7 +47,7 @@ from torch import nn
 from weight_sync.checksum import tensor_checksums
 from weight_sync.errors import ConfigError, LayoutMismatchError
 from weight_sync.layers.tensors import iter_graph_visible_tensors
-from weight_sync.quant.delta import apply_quantized_delta_
+from weight_sync.quant.delta import apply_quantized_delta_, delta_absmax
 from weight_sync.quant.online import OnlineQuantLinearMethod
 from weight_sync.reload.plan import Plan, contiguous_strides
 from weight_sync.reload.report import fingerprint
@@ -287,6 +287,7 @@ class InPlaceUpdate:
             part = src if t.whole else src.as_strided((t.rows, t.cols), (t.src_row_stride, 1),
                                                       src.storage_offset() + t.src_offset)
             dst.view(t.rows, t.cols).copy_(part.reshape(t.rows, t.cols))
+            self.applier.absmax.pop((t.layer, t.tensor), None)  # of the old copy: made again at the next delta
             self.recorded.add((t.layer, t.tensor))
 
     def apply(self, name: str, payload: torch.Tensor, meta_numel: int, dtype: torch.dtype,
@@ -352,8 +353,16 @@ class InPlaceUpdate:
         self._dirty.update((id(q), id(s)))
         method = mod.quant_method
         assert isinstance(method, OnlineQuantLinearMethod)  # checked when routed
+        key = (info.name, t.tensor)
+        absmax = self.applier.absmax.get(key)
+        if absmax is None:
+            # The first delta since the copy was recorded: block scales give it without a read of the
+            # copy (a 2-byte base), a per-tensor scale from one read; later deltas keep it current.
+            absmax = delta_absmax(method, base, s.detach())
+            if absmax is not None:
+                self.applier.absmax[key] = absmax
         apply_quantized_delta_(method, base, idx + t.dst_offset, v.view(dtype).to(base.dtype), q.detach(), s.detach(),
-                               getattr(mod, "tp_group", None))
+                               getattr(mod, "tp_group", None), absmax=absmax)
         self.num_requantized += 1
 
     def fingerprint(self, model: nn.Module) -> str:
@@ -396,6 +405,7 @@ class InPlaceUpdate:
     def undo(self, reason: str) -> None:
         """Undo this update's in-place writes (rollback) or mark their layers torn; drop the caches."""
         self.applier.checksums = {}
+        self.applier.absmax = {}  # they moved with the model-format copies, which the undo leaves written
         if not self.touched:
             return
         if self.session.rollback:
@@ -413,16 +423,19 @@ class InPlaceUpdate:
 
 class DeltaApplier:
     """An engine rank's in-place delta state across updates: the model-format copies of quantized
-    weights and the checksums of the tensors the last committed update left."""
+    weights, their absmax state (per block tile or per tensor, see
+    :func:`weight_sync.quant.delta.delta_absmax`; on the kernel tensors' device) and the checksums of
+    the tensors the last committed update left."""
 
     def __init__(self) -> None:
         self.bases: dict[tuple[str, str], torch.Tensor] = {}
+        self.absmax: dict[tuple[str, str], torch.Tensor] = {}
         self.checksums: dict[int, tuple[int, torch.dtype, tuple[int, ...], int]] = {}
 
     @property
     def nbytes(self) -> int:
-        """Memory the model-format copies hold (bytes)."""
-        return sum(t.numel() * t.element_size() for t in self.bases.values())
+        """Memory the model-format copies and their absmax state hold (bytes)."""
+        return sum(t.numel() * t.element_size() for t in (*self.bases.values(), *self.absmax.values()))
 
     def begin(self, session: Any, mode: str) -> InPlaceUpdate:
         return InPlaceUpdate(self, session, mode)
@@ -442,6 +455,9 @@ class DeltaApplier:
     def keep_only(self, keys: set[tuple[str, str]]) -> None:
         for key in [k for k in self.bases if k not in keys]:
             del self.bases[key]
+        for key in [k for k in self.absmax if k not in keys]:
+            del self.absmax[key]
 
     def forget(self) -> None:
         self.checksums = {}
+        self.absmax = {}
