@@ -216,11 +216,57 @@ def _read_tile_absmax(base: torch.Tensor, bn: int, bk: int, dev: torch.device) -
     return _absmax(v.view(nb, bn, kb, bk), dim=(1, 3)).clamp_(min=_EPS)
 
 
-def _new_max(index: torch.Tensor, values: torch.Tensor, size: int) -> torch.Tensor:
-    """Per unit (``size`` of them), max |value| of the changes ``index`` puts in it (0 where none);
-    a NaN or infinite value counts as +inf, which sends its unit to a whole read."""
-    a = torch.nan_to_num(values.abs().float(), nan=math.inf, posinf=math.inf)
-    return a.new_zeros(size).scatter_reduce_(0, index, a, "amax")
+def _changed_maxima(index: torch.Tensor, new: torch.Tensor, old: torch.Tensor, size: int) -> torch.Tensor:
+    """Per unit (``size`` of them; ``index`` puts each change in one), fp32 rows: max |new value| (a
+    NaN or infinity counts as +inf, which sends its unit to a read), max |old value|, and 1 where a
+    change lands (0 elsewhere): one scatter for the three."""
+    src = torch.stack([new, old, torch.ones_like(new)]).float().abs_().nan_to_num_(nan=math.inf, posinf=math.inf)
+    return src.new_zeros(3, size).scatter_reduce_(1, index.expand(3, -1), src, "amax")
+
+
+_FP8_MAX_ON: dict[torch.device, torch.Tensor] = {}
+
+
+def _fp8_max(device: torch.device) -> torch.Tensor:
+    """A 0-dim fp32 448 on ``device``, made once: :func:`_scale`'s divisor (the ordinary division path)."""
+    t = _FP8_MAX_ON.get(device)
+    if t is None:
+        t = _FP8_MAX_ON[device] = torch.full((), FP8_MAX, dtype=torch.float32, device=device)
+    return t
+
+
+_TILE_INDEX: dict[tuple[int, int, int, int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _tile_index(n: int, k: int, bn: int, bk: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """For an (n, k) weight of whole tiles: each tile's first flat position and the flat offsets of a
+    tile's elements from it, (bn, bk); kept per shape (a model has a handful)."""
+    key = (n, k, bn, bk, device)
+    out = _TILE_INDEX.get(key)
+    if out is None:
+        if len(_TILE_INDEX) >= 64:
+            _TILE_INDEX.clear()
+        starts = ((torch.arange(n // bn, device=device) * (bn * k))[:, None]
+                  + torch.arange(k // bk, device=device) * bk).reshape(-1)
+        within = torch.arange(bn, device=device)[:, None] * k + torch.arange(bk, device=device)
+        out = _TILE_INDEX[key] = (starts, within)
+    return out
+
+
+def _tile_elements(ids: torch.Tensor, n: int, k: int, bn: int, bk: int) -> torch.Tensor:
+    """Flat positions of tiles ``ids``' elements, (tiles, bn, bk); a ragged tile's missing rows / columns
+    repeat its last ones (clamped indices)."""
+    if n % bn == 0 and k % bk == 0:
+        starts, within = _tile_index(n, k, bn, bk, ids.device)
+        return starts[ids][:, None, None] + within
+    kb = -(-k // bk)
+    rows = (ids // kb * bn)[:, None] + torch.arange(bn, device=ids.device)
+    cols = (ids % kb * bk)[:, None] + torch.arange(bk, device=ids.device)
+    if n % bn:
+        rows.clamp_(max=n - 1)
+    if k % bk:
+        cols.clamp_(max=k - 1)
+    return rows[:, :, None] * k + cols[:, None, :]
 
 
 def _tiles(method: Fp8LinearMethod, base: torch.Tensor, pos: torch.Tensor, old: torch.Tensor, new: torch.Tensor,
@@ -235,43 +281,35 @@ def _tiles(method: Fp8LinearMethod, base: torch.Tensor, pos: torch.Tensor, old: 
     dev = qweight.device
     m, sf = absmax.view(-1), scale.view(-1)
     p = pos.to(dev)
-    tile_of = (p // k) // bn * kb + (p % k) // bk
+    tile_of = torch.add((p % k) // bk, p // (k * bn), alpha=kb)
     # Each tile's new absmax from the changes alone: the largest |new| if it reaches the old absmax;
     # the old one if no changed element held it; otherwise (the max element lowered) unknown without
     # a read of the tile. Non-finite values and states are read too (as _absmax of the tile would).
-    new_max = _new_max(tile_of, new.to(dev), m.numel())
-    held = torch.zeros_like(m).scatter_reduce_(0, tile_of, (old.to(dev).abs().float() == m[tile_of]).float(), "amax")
-    touched = torch.zeros_like(m).index_fill_(0, tile_of, 1.0)
-    grown = new_max >= m
-    m.copy_(torch.maximum(m, new_max))  # exact for every tile not read below
-    whole = (held.bool() & ~grown) | ~torch.isfinite(m) | (_scale(m).view(torch.int32) != sf.view(torch.int32))
+    new_max, old_max, hit = _changed_maxima(tile_of, new.to(dev), old.to(dev), m.numel())
+    read = (old_max == m) & (new_max < m)
+    torch.maximum(m, new_max, out=m)  # exact for every tile not read below
+    # m >= 1e-12: dividing by 448 is _scale(m) without its clamp.
+    moved = torch.div(m, _fp8_max(dev)).view(torch.int32) != sf.view(torch.int32)
+    whole = read | ~torch.isfinite(m) | moved
     # The one host sync: the batch of tiles to rewrite whole needs its size.
-    num_touched, num_whole = (int(x) for x in torch.stack([touched.sum(), whole.sum(dtype=torch.float32)]).tolist())
+    num_touched, num_whole = (int(x) for x in torch.stack([hit, whole.float()]).sum(1).tolist())
     if num_whole > _FULL_FRACTION * nb * kb:
         _full(method, base, qweight, scale, None)
         fresh = delta_absmax(method, base, scale)
         assert fresh is not None  # a block method keeps one
         absmax.copy_(fresh)
         return DeltaRequant("tile", num_touched, True)
-    ids = torch.nonzero_static(whole, size=num_whole).reshape(-1)
     if num_whole:
         # The tiles whose scale moved (or whose absmax needs the read), requantized together: one
-        # gather of their elements as a (tiles, bn, bk) batch; a ragged tile's missing rows / columns
-        # repeat its last ones (clamped indices), which no more changes its max(max, -min) than the
-        # full quantization's zero padding does, and writes those elements' own bytes twice.
-        bdev = base.device
-        ids_b = ids.to(bdev)
-        rows = (ids_b // kb * bn)[:, None] + torch.arange(bn, device=bdev)
-        cols = (ids_b % kb * bk)[:, None] + torch.arange(bk, device=bdev)
-        if n % bn:
-            rows.clamp_(max=n - 1)
-        if k % bk:
-            cols.clamp_(max=k - 1)
-        at = rows[:, :, None] * k + cols[:, None, :]
+        # gather of their elements as a (tiles, bn, bk) batch. A ragged tile's repeated elements no
+        # more change its max(max, -min) than the full quantization's zero padding does, and their
+        # bytes are written twice, identically.
+        ids = torch.nonzero_static(whole, size=num_whole).reshape(-1)
+        at = _tile_elements(ids.to(base.device), n, k, bn, bk)
         tiles = base.view(-1)[at].to(dev)
-        a = _absmax(tiles, dim=(1, 2))
-        s = _scale(a)
-        m[ids] = a.clamp_(min=_EPS)
+        a = _absmax(tiles, dim=(1, 2)).clamp_(min=_EPS)
+        s = torch.div(a, _fp8_max(dev))  # _scale(a), whose clamp a has had
+        m[ids] = a
         sf[ids] = s
     # Every changed element with its tile's (now final) scale: an element's fp8 value is a function of
     # it and that scale. Elements of whole tiles are written again, identically, below.
@@ -297,10 +335,9 @@ def _per_tensor(method: Fp8LinearMethod, base: torch.Tensor, pos: torch.Tensor, 
         local = absmax
     else:
         # As for a tile (_tiles): the changes decide the new absmax unless they lowered the max element.
-        new_max = _new_max(torch.zeros_like(pos, device=dev), new.to(dev), 1)
-        held = (old.to(dev).abs().float() == absmax).any()
+        new_max, old_max, _ = _changed_maxima(torch.zeros_like(pos, device=dev), new.to(dev), old.to(dev), 1)
         local = torch.maximum(absmax, new_max)
-        if bool((held & (new_max < absmax)) | ~torch.isfinite(local)):
+        if bool(((old_max == absmax) & (new_max < absmax)) | ~torch.isfinite(local)):
             local = _absmax(base.to(dev)).clamp(min=_EPS).reshape(1)
         absmax.copy_(local)
     # Every rank takes part in the reduction even with nothing changed locally, since another rank's

@@ -361,7 +361,8 @@ class InPlaceUpdate:
             absmax = delta_absmax(method, base, s.detach())
             if absmax is not None:
                 self.applier.absmax[key] = absmax
-        apply_quantized_delta_(method, base, idx + t.dst_offset, v.view(dtype).to(base.dtype), q.detach(), s.detach(),
+        at = idx + t.dst_offset if t.dst_offset else idx
+        apply_quantized_delta_(method, base, at, v.view(dtype).to(base.dtype), q.detach(), s.detach(),
                                getattr(mod, "tp_group", None), absmax=absmax)
         self.num_requantized += 1
 
