@@ -255,23 +255,59 @@ def _fd_count() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+# Who started each thread: Thread.start records the starting thread on the new one, so that a sequence is
+# held to the threads it started (directly, or through threads it started) and not to threads that code
+# running beside it started meanwhile (a pool or timer an earlier test left running in the same process).
+_thread_start = threading.Thread.start
+
+
+def _recording_start(self: threading.Thread) -> None:
+    self._ws_started_by = threading.current_thread()  # type: ignore[attr-defined]
+    _thread_start(self)
+
+
+threading.Thread.start = _recording_start  # type: ignore[method-assign]
+
+
+def _started_by(t: threading.Thread, owner: threading.Thread, before: frozenset[threading.Thread]) -> bool:
+    """Whether ``owner`` started ``t``, directly or through threads started since ``before`` was taken (a
+    thread already alive then, started by ``owner`` or not, is not one of them)."""
+    by = getattr(t, "_ws_started_by", None)
+    while by is not None:
+        if by is owner:
+            return True
+        if by in before:
+            return False
+        by = getattr(by, "_ws_started_by", None)
+    return False
+
+
 @dataclass(frozen=True)
 class Hygiene:
-    """Counts of what a sequence could leak, taken before it and compared after it."""
+    """What a sequence could leak, taken before it and compared after it: the threads alive (and the one
+    running the sequence), counts of file descriptors and child processes."""
 
-    threads: int
+    threads: frozenset[threading.Thread]
+    owner: threading.Thread
     fds: int
     children: int
 
     @classmethod
     def take(cls) -> Hygiene:
         gc.collect()
-        return cls(threading.active_count(), _fd_count(), len(multiprocessing.active_children()))
+        return cls(frozenset(threading.enumerate()), threading.current_thread(), _fd_count(),
+                   len(multiprocessing.active_children()))
 
     def check(self, label: str) -> None:
         now = Hygiene.take()
-        grown = {k: (getattr(self, k), getattr(now, k)) for k in ("threads", "fds", "children")
-                 if getattr(now, k) > getattr(self, k)}
+        # A thread leaks when the sequence started it and it is still alive; counting all threads of the
+        # process would blame the sequence for a thread started by other code meanwhile (and miss a leak
+        # while another thread ended).
+        left = sorted(t.name for t in now.threads - self.threads if _started_by(t, self.owner, self.threads))
+        grown: dict[str, Any] = {k: (getattr(self, k), getattr(now, k)) for k in ("fds", "children")
+                                 if getattr(now, k) > getattr(self, k)}
+        if left:
+            grown["threads"] = left
         if grown:
             names = sorted(t.name for t in threading.enumerate())
             raise Leaked(f"{label}: grew (before, after): {grown}; threads now {names}")
