@@ -49,12 +49,15 @@ class Baseline:
     """The graph-visible tensors of a model at one point, with where each was found."""
 
     signatures: dict[str, TensorSignature]
+    # The root model appears as None in these: a baseline kept in the model's reload state between
+    # updates must not reference the model itself (the state is a weak-keyed entry of it, and a value
+    # referencing its key keeps it alive forever); the re-checks are given the model.
     # (qualified child name, parent, attribute name, child) for every module the walk entered.
-    edges: list[tuple[str, nn.Module, str, nn.Module]] = field(default_factory=list)
+    edges: list[tuple[str, nn.Module | None, str, nn.Module]] = field(default_factory=list)
     # (qualified tensor name, module, attribute name, tensor) for every signature.
-    places: list[tuple[str, nn.Module, str, torch.Tensor]] = field(default_factory=list)
+    places: list[tuple[str, nn.Module | None, str, torch.Tensor]] = field(default_factory=list)
     # (module, its dict sizes) for every module the walk entered: what an addition would change.
-    sizes: list[tuple[nn.Module, tuple[int, int, int, int]]] = field(default_factory=list)
+    sizes: list[tuple[nn.Module | None, tuple[int, int, int, int]]] = field(default_factory=list)
 
     def release(self) -> None:
         """Drop the references to modules and tensors (the signatures stay)."""
@@ -82,9 +85,10 @@ def take_baseline(model: nn.Module) -> Baseline:
         if id(mod) in seen_modules:
             continue
         seen_modules.add(id(mod))
-        sizes.append((mod, _sizes(mod)))
+        held = None if mod is model else mod
+        sizes.append((held, _sizes(mod)))
         if parent is not None:
-            edges.append((path, parent, attr, mod))
+            edges.append((path, None if parent is model else parent, attr, mod))
         prefix = f"{path}." if path else ""
         for name, t in graph_visible_tensors(mod).items():
             if id(t) in seen_tensors:
@@ -94,7 +98,7 @@ def take_baseline(model: nn.Module) -> Baseline:
                 continue
             qual = prefix + name
             sigs[qual] = _new_signature(TensorSignature, (t.data_ptr(), t.shape, t.dtype, t.stride(), t.device))
-            places.append((qual, mod, name, t))
+            places.append((qual, held, name, t))
         children = mod._modules
         if children:
             stack.extend(reversed([
@@ -103,15 +107,17 @@ def take_baseline(model: nn.Module) -> Baseline:
     return base
 
 
-def _unchanged(base: Baseline, skip: tuple[str, ...]) -> bool:
+def _unchanged(base: Baseline, skip: tuple[str, ...], model: nn.Module) -> bool:
     """Whether every module and tensor of ``base`` (outside the ``skip`` prefixes) is where it was."""
     for path, parent, attr, child in base.edges:
-        if parent._modules.get(attr) is not child and not (skip and (path + ".").startswith(skip)):
+        if (model if parent is None else parent)._modules.get(attr) is not child and not (
+                skip and (path + ".").startswith(skip)):
             return False
     sigs = base.signatures
-    for qual, mod, name, t in base.places:
+    for qual, held, name, t in base.places:
         if skip and qual.startswith(skip):
             continue
+        mod = model if held is None else held
         # Looked up in graph_visible_tensors' order: parameters, buffers, then plain attributes.
         bound: torch.Tensor | None = mod._parameters.get(name)
         if bound is None:
@@ -123,22 +129,22 @@ def _unchanged(base: Baseline, skip: tuple[str, ...]) -> bool:
     return True
 
 
-def still_holds(base: Baseline) -> bool:
+def still_holds(base: Baseline, model: nn.Module) -> bool:
     """Whether ``base`` (a baseline kept from an earlier update) still describes the model exactly:
     nothing moved, was rebound or changed layout, and no module gained or lost a parameter, buffer,
     child or attribute. If so it can serve as this update's baseline without a walk."""
     if not base.sizes:
         return False  # released
     for mod, n in base.sizes:
-        if _sizes(mod) != n:
+        if _sizes(model if mod is None else mod) != n:
             return False
-    return _unchanged(base, ())
+    return _unchanged(base, (), model)
 
 
 def verify_baseline(model: nn.Module, base: Baseline, skip: tuple[str, ...] = ()) -> None:
     """Raise :class:`PointerChangedError` if a tensor of ``base`` moved or changed layout; tensors whose
     name starts with one of ``skip`` (layers processed for the first time: new by design) are exempt."""
-    if _unchanged(base, skip):
+    if _unchanged(base, skip, model):
         return
     before = base.signatures
     if skip:

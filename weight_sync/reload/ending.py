@@ -241,6 +241,9 @@ class EndingSteps(UnitLayers):
         """End the session as ``status``: the model is free for the next update; close callbacks run."""
         self._status = status
         self.state.active = None
+        # The model's write queue outlives the session: it must not keep the session (and through it
+        # the model, whose weak-keyed reload state holds the queue) alive.
+        self._writes.carrier = self._writes.release = self._writes.written = None
         if self._keep_baseline:  # verified at this commit: the next begin re-checks it instead of walking
             self.state.last_baseline = self._baseline
         else:  # it may reference tensors replaced by first processing (or an aborted update): let them go

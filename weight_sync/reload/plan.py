@@ -67,6 +67,13 @@ class CopyOp:
     src_whole: bool  # src is the whole incoming tensor: replay passes it unchanged
 
 
+def dst_view(base: torch.Tensor, op: CopyOp) -> torch.Tensor:
+    """The region of layer tensor ``base`` that ``op`` writes (``base`` itself when it is all of it)."""
+    if op.dst_offset == 0 and base.shape == op.dst_size and base.stride() == op.dst_stride:
+        return base
+    return base.as_strided(op.dst_size, op.dst_stride, base.storage_offset() + op.dst_offset)
+
+
 @dataclass(slots=True)
 class KeyPlan:
     """How one checkpoint key is loaded: replayed copies, the real loader, or ignored."""

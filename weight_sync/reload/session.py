@@ -39,8 +39,9 @@ from weight_sync.reload.audit import check_layers_recorded, still_holds, take_ba
 from weight_sync.reload.bands import band_target, layer_bands
 from weight_sync.reload.borrow import lend_batch, lend_single, lenders
 from weight_sync.reload.ending import EndingSteps
-from weight_sync.reload.plan import CopyOp, KeyPlan, Plan
+from weight_sync.reload.plan import CopyOp, KeyPlan, Plan, dst_view
 from weight_sync.reload.processing import Lend, OpenLayer, storage_uses
+from weight_sync.reload.replay import record_list, replay_list
 from weight_sync.reload.report import UpdateReport
 from weight_sync.reload.state import LayerInfo, ModelState, model_load_weights
 from weight_sync.reload.validation import (
@@ -151,7 +152,7 @@ class UpdateSession(EndingSteps):
         # else one walk of the model; finish re-checks it by index.
         kept = state.last_baseline
         state.last_baseline = None  # owned by this session now; a commit hands one back
-        if kept is not None and still_holds(kept):
+        if kept is not None and still_holds(kept, model):
             self._baseline = kept
         else:
             self._baseline = take_baseline(model)
@@ -193,6 +194,10 @@ class UpdateSession(EndingSteps):
             # materialized: it could hold a whole model): find layers it can lend its memory to.
             listed = type(named_tensors) in (list, tuple)
             self._writes.carry_now = not listed
+            if listed and replay_list(self, named_tensors):  # type: ignore[arg-type]
+                # A list recorded at an earlier update, every key into a direct layer: written as one batch.
+                self._seconds["load"] += time.perf_counter() - t0
+                return
             if listed:
                 if not self._lenders_known:
                     # Banded layers need no staging at all, borrowed or not.
@@ -203,6 +208,8 @@ class UpdateSession(EndingSteps):
             for name, tensor in named_tensors:
                 self._load_one(name, tensor)
             self._writes.flush()  # before returning: the caller may reuse its tensors
+            if listed:
+                record_list(self, named_tensors)  # type: ignore[arg-type]
             if self._writes.matrices:
                 # One-scale matrices whose keys straddle this call and the next keep copies of their
                 # bands: that matrix's staging (see _carry_band).
@@ -339,10 +346,7 @@ class UpdateSession(EndingSteps):
             direct = direct and not staged
             if base is None:
                 continue
-            if op.dst_offset == 0 and base.shape == op.dst_size and base.stride() == op.dst_stride:
-                dst = base
-            else:
-                dst = base.as_strided(op.dst_size, op.dst_stride, base.storage_offset() + op.dst_offset)
+            dst = dst_view(base, op)
             # Staging is read by its layer's processing within this call: written at once. Live storage
             # is read by nothing before the update ends: small copies wait for one grouped launch.
             copy: Callable[..., Any] = self._writes.copier(dst) if direct else dst.copy_

@@ -119,6 +119,8 @@ class ModelState:
     # Destination views of planned keys into direct layers, reused across updates while the
     # signatures taken at the end of the last update still hold.
     views: dict[str, Any] = field(default_factory=dict)
+    # Lists of keys into direct layers recorded for replay, by their names (reload/replay.py).
+    replays: dict[tuple[str, ...], Any] = field(default_factory=dict)
     last_signatures: dict[str, Any] = field(default_factory=dict)
     # The pointer-audit baseline the last committed update verified (reload/audit.py), re-checked
     # instead of walking the model again at the next begin; None after a first processing or an abort.
