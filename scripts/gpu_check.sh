@@ -59,13 +59,13 @@ for phase in "${phases[@]}"; do
     tests)
       step tests_gpu 540 python3 -m pytest tests -m "gpu or multi_gpu" -q -p no:cacheprovider -rs ;;
     tests_quick)  # the GPU tests of the reload, quant, engine and offload paths (no transports)
-      step tests_quick 240 python3 -m pytest tests/quant tests/reload tests/engine tests/offload -m gpu -q \
-        -p no:cacheprovider -rs ;;
+      step tests_quick 150 python3 -m pytest tests/quant/test_fp8_gpu.py tests/offload/test_gpu.py \
+        tests/reload/test_cuda_reload.py tests/engine/test_moe_cuda.py -m gpu -q -p no:cacheprovider -rs ;;
     reload8b)
-      step bench_reload_8b 200 python3 benchmarks/bench_reload.py --device cuda --preset qwen3-8b --tag h200_qwen3-8b \
+      step bench_reload_8b 90 python3 benchmarks/bench_reload.py --device cuda --preset qwen3-8b --tag h200_qwen3-8b \
         --repeats 3 --formats bf16,fp8,fp8_block --small-layers 2000 ;;
     offload_fp8)  # issue 19: fp8-streamed blocks against their bound and the bf16 DLO time, same run
-      step bench_offload_fp8 300 python3 benchmarks/bench_offload.py --quantization fp8_block \
+      step bench_offload_fp8 180 python3 benchmarks/bench_offload.py --quantization fp8_block \
         --tokens 1024 4096 16384 --tag h200_fp8 ;;
     reload)
       step bench_reload_0.6b 300 python3 benchmarks/bench_reload.py --device cuda --preset qwen3-0.6b --tag h200_qwen3-0.6b --repeats 5
@@ -106,7 +106,7 @@ for phase in "${phases[@]}"; do
       step bench_async_gloo 360 python3 benchmarks/bench_async.py --device cuda --preset qwen3-8b --batch 8 \
         --steps 1536 --every 512 --sources gloo --repeats 1 --tag h200_gloo ;;
     delta)  # issue 18: delta apply into an fp8_block engine over ipc against its full reload
-      step bench_delta 300 python3 benchmarks/bench_delta.py --device cuda --quantization fp8_block \
+      step bench_delta 150 python3 benchmarks/bench_delta.py --device cuda --quantization fp8_block \
         --preset qwen3-0.6b --no-adam --repeats 2 --tag h200_fp8_block ;;
     peers)  # issue 15.4: pinned host -> one GPU, weight_sync next to checkpoint-engine and the pinned H2D bound
       step bench_peers 560 python3 benchmarks/bench_peers.py --tag h200 --profile ;;
