@@ -279,6 +279,18 @@ def fused_geometry(n: int, k: int, granularity: str, block_size: tuple[int, int]
                          -(-group_cols // bk), 4 if per_row or bm * bk < _BLOCK_STEP else 8)
 
 
+def _scale_layout(scale: torch.Tensor, granularity: str,
+                  block_size: tuple[int, int]) -> tuple[torch.Tensor, int, int, int, int]:
+    """(fp32 contiguous scales, tile rows, tile cols, row stride, col stride): element (r, c) of the weight
+    takes ``s[(r // bn) * s_row + (c // bk) * s_col]``, for every granularity."""
+    s = scale.float().contiguous()
+    if granularity == "tensor":
+        return s, 1, 1, 0, 0
+    if granularity == "channel":
+        return s, 1, 1, 1, 0
+    return s, block_size[0], block_size[1], s.stride(0), s.stride(1)
+
+
 def scale_cast_fp8(w: torch.Tensor, scale: torch.Tensor, granularity: str, block_size: tuple[int, int],
                    fmax: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """fp8 e4m3 ``clamp(w / scale, -fmax, fmax)`` for a 2-D weight with unit column stride.
@@ -290,13 +302,7 @@ def scale_cast_fp8(w: torch.Tensor, scale: torch.Tensor, granularity: str, block
     q = out if out is not None else torch.empty((n, k), dtype=torch.float8_e4m3fn, device=w.device)
     if w.numel() == 0:
         return q
-    s = scale.float().contiguous()
-    if granularity == "tensor":
-        bn, bk, s_row, s_col = 1, 1, 0, 0
-    elif granularity == "channel":
-        bn, bk, s_row, s_col = 1, 1, 1, 0
-    else:
-        (bn, bk), s_row, s_col = block_size, s.stride(0), s.stride(1)
+    s, bn, bk, s_row, s_col = _scale_layout(scale, granularity, block_size)
     grid = (-(-n // 32), -(-k // 128))
     with _launch_device(w):
         _kernels()[0][grid](w, q, s, n, k, w.stride(0), q.stride(0), s_row, s_col, bn, bk, fmax,
@@ -338,13 +344,7 @@ def dequantize_fp8_triton(q: torch.Tensor, scale: torch.Tensor, granularity: str
     out = torch.empty((n, k), dtype=dtype, device=q.device)
     if q.numel() == 0:
         return out
-    s = scale.float().contiguous()
-    if granularity == "tensor":
-        bn, bk, s_row, s_col = 1, 1, 0, 0
-    elif granularity == "channel":
-        bn, bk, s_row, s_col = 1, 1, 1, 0
-    else:
-        (bn, bk), s_row, s_col = block_size, s.stride(0), s.stride(1)
+    s, bn, bk, s_row, s_col = _scale_layout(scale, granularity, block_size)
     grid = (-(-n // 32), -(-k // 128))
     with _launch_device(q):
         _dequant_kernel()[grid](q, s, out, n, k, q.stride(0), out.stride(0), s_row, s_col, bn, bk,
