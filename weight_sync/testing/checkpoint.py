@@ -16,7 +16,8 @@ from __future__ import annotations
 import json
 import os
 import string
-from collections.abc import Iterator
+import sys
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -242,13 +243,15 @@ def make_checkpoint(
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    from tqdm.auto import tqdm
-
     cfg = hf_config(arch, preset, dtype, **config_overrides)
     count = num_tensors(cfg)
-    # A bar only where it takes seconds (the 0.6B/8B-shaped presets), and only on a terminal.
-    weights = tqdm(random_weights(cfg, seed=seed, dtype=dtype), total=count, unit="tensor",
-                   desc=f"generating {arch}/{preset}", leave=False, disable=None if count > 100 else True)
+    weights: Iterable[tuple[str, torch.Tensor]] = random_weights(cfg, seed=seed, dtype=dtype)
+    # A bar only where it takes seconds (the 0.6B/8B-shaped presets), and only on a terminal: tqdm starts
+    # a monitor thread that lives as long as the process even for a disabled bar.
+    if count > 100 and sys.stderr.isatty():
+        from tqdm.auto import tqdm
+
+        weights = tqdm(weights, total=count, unit="tensor", desc=f"generating {arch}/{preset}", leave=False)
     tensors = {n: t.contiguous() for n, t in weights}
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(cfg, indent=1))
