@@ -9,6 +9,7 @@ import weakref
 
 import pytest
 import torch
+from torch import nn
 
 from weight_sync import (
     DuplicateTensorError,
@@ -16,6 +17,7 @@ from weight_sync import (
     Manifest,
     ManifestError,
     begin_update,
+    record_metadata_for_reloading,
 )
 from weight_sync.engine import ReferenceEngine
 from weight_sync.reload.state import get_state
@@ -128,3 +130,27 @@ def test_an_updated_model_is_freed_once_its_owner_lets_go(quant) -> None:
     del engine
     gc.collect()
     assert alive() is None
+
+
+class _Tied(nn.Module):
+    """Two checkpoint keys copied whole into one parameter: the later one wins."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(4, 4), requires_grad=False)
+
+    def load_weights(self, weights) -> None:
+        for _, t in weights:
+            self.w.data.copy_(t)
+
+
+def test_a_list_writing_one_place_twice_keeps_the_per_key_order_and_is_never_batched() -> None:
+    model = _Tied()
+    record_metadata_for_reloading(model)
+    for step in range(3):
+        items = [("a", torch.full((4, 4), 1.0 + step)), ("b", torch.full((4, 4), 10.0 + step))]
+        with begin_update(model, Manifest.from_named_tensors(items)) as s:
+            s.load(items)
+        assert torch.equal(model.w, items[1][1])
+        # One grouped copy would not order the two writes on a device: the list is not recorded.
+        assert get_state(model).replays[("a", "b")] is None

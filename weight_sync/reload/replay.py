@@ -69,6 +69,7 @@ def record_list(session: Any, items: Sequence[tuple[str, torch.Tensor]]) -> None
     views = session._views
     entries, shapes, dtypes, big, small, small_src = [], [], [], [], [], []
     layers: dict[str, None] = {}
+    written: set[int] = set()  # destinations' data_ptr: one batch writes each place once
     device: int | None = None
     nbytes = 0
     for i, (name, tensor) in enumerate(items):
@@ -86,8 +87,11 @@ def record_list(session: Any, items: Sequence[tuple[str, torch.Tensor]]) -> None
             if base is None or staged or not op.src_whole:
                 return
             dst = dst_view(base, op)
-            if dst.dtype is not tensor.dtype or dst.get_device() != device:
+            if dst.dtype is not tensor.dtype or dst.get_device() != device or dst.data_ptr() in written:
+                # Two keys into one place (a tied weight): the per-key path keeps their order, one
+                # grouped copy would not.
                 return
+            written.add(dst.data_ptr())
             if tensor.nbytes > SMALL_COPY_BYTES:
                 big.append((dst, i))
             else:
