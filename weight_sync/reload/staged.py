@@ -45,7 +45,7 @@ from weight_sync.reload.api import begin_update, record_metadata_for_reloading
 from weight_sync.reload.session import UpdateSession
 from weight_sync.reload.state import check_servable, get_state, register_post_update_hook
 
-__all__ = ["STAGING_PLACEMENTS", "CommitReport", "StagedWeights", "StagingConfig"]
+__all__ = ["STAGING_PLACEMENTS", "CommitReport", "StagedWeights", "StagingConfig", "staged_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,9 @@ def _layout(model: nn.Module, skip: frozenset[str] = frozenset()) -> dict[str, t
     return {n: (tuple(t.shape), t.dtype) for n, t in _staged_tensors(model, skip) if t.device.type != "meta"}
 
 
-def _nbytes(model: nn.Module, skip: frozenset[str] = frozenset()) -> int:
+def staged_bytes(model: nn.Module, skip: frozenset[str] = frozenset()) -> int:
+    """Bytes of the tensors a staging twin of ``model`` holds: every graph-visible tensor (parameters,
+    buffers and tensor attributes, each once) outside ``skip``."""
     return sum(t.numel() * t.element_size() for _, t in _staged_tensors(model, skip))
 
 
@@ -143,11 +145,11 @@ class StagedWeights:
         live_state = get_state(live, create=True)
         # The twin holds the larger of the kernel form and the model format (a quantized twin is in
         # model format until its first update is processed).
-        estimate = max(_nbytes(live, self._skip), sum(i.model_format_bytes for i in live_state.layers.values()))
+        estimate = max(staged_bytes(live, self._skip), sum(i.model_format_bytes for i in live_state.layers.values()))
         self.device, self.placement = self._place(estimate)
         self.model = build_twin(self.device)
         record_metadata_for_reloading(self.model)
-        self.num_bytes = _nbytes(self.model, self._skip)
+        self.num_bytes = staged_bytes(self.model, self._skip)
         if self.config.max_bytes is not None and self.num_bytes > self.config.max_bytes:
             raise ConfigError(
                 f"the staging twin takes {self.num_bytes} bytes on {self.device}, over "

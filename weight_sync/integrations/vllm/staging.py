@@ -64,7 +64,7 @@ from weight_sync.integrations.vllm.model_hooks import (
     recording_model_format,
 )
 from weight_sync.integrations.vllm.options import WeightSyncOptions
-from weight_sync.reload.staged import StagedWeights, StagingConfig
+from weight_sync.reload.staged import StagedWeights, StagingConfig, staged_bytes
 from weight_sync.reload.state import get_state
 from weight_sync.transport import TransportConfig, WeightReceiver, WeightSender
 from weight_sync.transport.push import PushHandle, push
@@ -167,8 +167,9 @@ def check_staging_bound(live: nn.Module, config: StagingConfig) -> int:
     The twin holds model-format tensors until processed, then kernel tensors plus the state processors
     keep outside tensors (on CPU, about the model-format bytes of every linear): the larger of the two.
     """
-    kernel = sum(t.numel() * t.element_size() for t in list(live.parameters()) + list(live.buffers()))
-    estimate = max(kernel, sum(i.model_format_bytes for i in get_state(live).layers.values()))
+    # Every graph-visible tensor, as the twin counts them: vLLM's layers also keep tensors as plain
+    # attributes (which ones depends on the CPU's attention backend), beyond parameters and buffers.
+    estimate = max(staged_bytes(live), sum(i.model_format_bytes for i in get_state(live).layers.values()))
     if config.max_bytes is not None and estimate > config.max_bytes:
         raise ConfigError(
             f"ws_stage_init: the staging twin of {type(live).__name__} takes about {estimate} bytes, over "
