@@ -86,7 +86,7 @@ def delta_absmax(method: LinearMethod, base: torch.Tensor, scale: torch.Tensor) 
     if not isinstance(method, Fp8LinearMethod) or method.config.granularity == "channel":
         return None
     if method.config.granularity == "tensor":
-        return _absmax(base.to(scale.device)).clamp(min=_EPS).reshape(1)
+        return _read_absmax(base, scale.device)
     if base.dtype in (torch.bfloat16, torch.float16):
         return _absmax_from_scale(scale, base.dtype)
     return _read_tile_absmax(base, *method.config.block_size, scale.device)
@@ -194,6 +194,11 @@ def _absmax_from_scale(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     back = torch.mul(scale, scale.new_full((), FP8_MAX)).to(dtype).float()
     floor = _scale(scale.new_zeros(()))
     return torch.where(scale.view(torch.int32) == floor.view(torch.int32), scale.new_full((), _EPS), back)
+
+
+def _read_absmax(base: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """The whole base's ``clamp(absmax, 1e-12)`` (fp32, shape (1,), on ``dev``) from one read."""
+    return _absmax(base.to(dev)).clamp(min=_EPS).reshape(1)
 
 
 def _read_tile_absmax(base: torch.Tensor, bn: int, bk: int, dev: torch.device) -> torch.Tensor:
@@ -330,7 +335,7 @@ def _per_tensor(method: Fp8LinearMethod, base: torch.Tensor, pos: torch.Tensor, 
     rank's state (:func:`delta_absmax`) of the old base, moved here to the new base's."""
     dev = qweight.device
     if absmax is None:
-        local = _absmax(base.to(dev)).clamp(min=_EPS).reshape(1)  # one read of the base, as before
+        local = _read_absmax(base, dev)  # one read of the base, as before
     elif pos.numel() == 0:
         local = absmax
     else:
@@ -338,7 +343,7 @@ def _per_tensor(method: Fp8LinearMethod, base: torch.Tensor, pos: torch.Tensor, 
         new_max, old_max, _ = _changed_maxima(torch.zeros_like(pos, device=dev), new.to(dev), old.to(dev), 1)
         local = torch.maximum(absmax, new_max)
         if bool(((old_max == absmax) & (new_max < absmax)) | ~torch.isfinite(local)):
-            local = _absmax(base.to(dev)).clamp(min=_EPS).reshape(1)
+            local = _read_absmax(base, dev)
         absmax.copy_(local)
     # Every rank takes part in the reduction even with nothing changed locally, since another rank's
     # change moves the shared scale (max of the clamped absmaxes = the clamp of their max).

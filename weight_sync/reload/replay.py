@@ -28,7 +28,7 @@ import torch
 from weight_sync.reload.plan import dst_view
 from weight_sync.reload.writes import SMALL_COPY_BYTES
 
-__all__ = ["ListReplay", "record_list", "replay_list"]
+__all__ = ["ListReplay", "list_names", "record_list", "replay_list"]
 
 _second = itemgetter(1)
 _first = itemgetter(0)  # the name of a (name, tensor) pair, in C: this runs for every key of every call
@@ -41,7 +41,6 @@ MAX_RECORDS = 256
 class ListReplay:
     """The writes of one list of keys into direct layers, as the hot path would make them."""
 
-    names: tuple[str, ...]
     entries: tuple[Any, ...]  # the session's cached hot-path entry of each name (identity-checked)
     shapes: tuple[torch.Size, ...]
     dtypes: tuple[torch.dtype, ...]
@@ -56,11 +55,16 @@ class ListReplay:
     announced: dict[str, tuple[torch.Size, torch.dtype]] | None
 
 
-def record_list(session: Any, items: Sequence[tuple[str, torch.Tensor]]) -> None:
-    """After ``items`` loaded cleanly: record them for replay if every key went through the hot path."""
-    names = tuple(map(_first, items))
+def list_names(items: Sequence[tuple[str, torch.Tensor]]) -> tuple[str, ...]:
+    """The key of a list's record: its names in order."""
+    return tuple(map(_first, items))
+
+
+def record_list(session: Any, items: Sequence[tuple[str, torch.Tensor]], names: tuple[str, ...]) -> None:
+    """After ``items`` (named ``names``) loaded cleanly: record them for replay if every key went through
+    the hot path."""
     records = session.state.replays
-    if names in records or not names:
+    if names in records:
         return
     if len(records) >= MAX_RECORDS:
         for key in list(records)[: MAX_RECORDS // 2]:
@@ -103,16 +107,14 @@ def record_list(session: Any, items: Sequence[tuple[str, torch.Tensor]]) -> None
         dtypes.append(tensor.dtype)
         nbytes += tensor.nbytes
     assert device is not None
-    records[names] = ListReplay(names, tuple(entries), tuple(shapes), tuple(dtypes), device, tuple(big), small,
+    records[names] = ListReplay(tuple(entries), tuple(shapes), tuple(dtypes), device, tuple(big), small,
                                 tuple(small_src), tuple(layers), nbytes, session._announced)
 
 
-def replay_list(session: Any, items: Sequence[tuple[str, torch.Tensor]]) -> bool:
-    """Write ``items`` as their record says; False (nothing written) when the per-key path must run."""
+def replay_list(session: Any, items: Sequence[tuple[str, torch.Tensor]], names: tuple[str, ...]) -> bool:
+    """Write ``items`` (named ``names``) as their record says; False (nothing written) when the per-key
+    path must run."""
     records = session.state.replays
-    if not records:
-        return False
-    names = tuple(map(_first, items))
     rec = records.get(names)
     if rec is None:
         return False

@@ -41,7 +41,7 @@ from weight_sync.reload.borrow import lend_batch, lend_single, lenders
 from weight_sync.reload.ending import EndingSteps
 from weight_sync.reload.plan import CopyOp, KeyPlan, Plan, dst_view
 from weight_sync.reload.processing import Lend, OpenLayer, storage_uses
-from weight_sync.reload.replay import record_list, replay_list
+from weight_sync.reload.replay import list_names, record_list, replay_list
 from weight_sync.reload.report import UpdateReport
 from weight_sync.reload.state import LayerInfo, ModelState, model_load_weights
 from weight_sync.reload.validation import (
@@ -194,7 +194,8 @@ class UpdateSession(EndingSteps):
             # materialized: it could hold a whole model): find layers it can lend its memory to.
             listed = type(named_tensors) in (list, tuple)
             self._writes.carry_now = not listed
-            if listed and replay_list(self, named_tensors):  # type: ignore[arg-type]
+            names = list_names(named_tensors) if listed else ()  # type: ignore[arg-type]
+            if names and replay_list(self, named_tensors, names):  # type: ignore[arg-type]
                 # A list recorded at an earlier update, every key into a direct layer: written as one batch.
                 self._seconds["load"] += time.perf_counter() - t0
                 return
@@ -208,8 +209,8 @@ class UpdateSession(EndingSteps):
             for name, tensor in named_tensors:
                 self._load_one(name, tensor)
             self._writes.flush()  # before returning: the caller may reuse its tensors
-            if listed:
-                record_list(self, named_tensors)  # type: ignore[arg-type]
+            if names:
+                record_list(self, named_tensors, names)  # type: ignore[arg-type]
             if self._writes.matrices:
                 # One-scale matrices whose keys straddle this call and the next keep copies of their
                 # bands: that matrix's staging (see _carry_band).
