@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
 import torch
 
 from weight_sync.quant.fp8 import Fp8Config, quantize_fp8
@@ -78,3 +84,16 @@ def assert_same_bits(q: torch.Tensor, scale: torch.Tensor, ref_q: torch.Tensor, 
     assert torch.equal(s.isnan(), rs.isnan()), (what, "NaN scales differ", s, rs)
     ok = ~s.isnan()
     assert torch.equal(s[ok].view(torch.int32), rs[ok].view(torch.int32)), (what, "scale bits differ")
+
+
+def run_interpreted(child: str, cases: dict[str, Any], tmp: Path) -> dict[str, Any]:
+    """Run the script ``child`` under ``TRITON_INTERPRET=1`` in a child process (the flag must be set before
+    a kernel is decorated) on ``cases`` saved to ``tmp``; returns what it saved. The script reads
+    ``sys.argv[1]`` and writes ``sys.argv[2]``."""
+    torch.save(cases, tmp / "in.pt")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", child, str(tmp / "in.pt"), str(tmp / "out.pt")],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-4000:]
+    result: dict[str, Any] = torch.load(tmp / "out.pt")
+    return result

@@ -11,16 +11,12 @@ ragged edges, a row stride wider than the rows) and the one fp32 multiply. The G
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tests.quant._fp8_cases import random_weight
+from tests.quant._fp8_cases import random_weight, run_interpreted
 from weight_sync.quant.fp8 import Fp8Config, dequantize_fp8, quantize_fp8
 
 needs_triton = pytest.mark.skipif(
@@ -90,14 +86,7 @@ CASES = _cases()
 
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
-    tmp: Path = tmp_path_factory.mktemp("fp8_dequant_interpret")
-    torch.save(CASES, tmp / "in.pt")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-c", _CHILD, str(tmp / "in.pt"), str(tmp / "out.pt")],
-                         capture_output=True, text=True, timeout=300, env=env)
-    assert out.returncode == 0, out.stderr[-4000:]
-    result: dict[str, torch.Tensor] = torch.load(tmp / "out.pt")
-    return result
+    return run_interpreted(_CHILD, CASES, tmp_path_factory.mktemp("fp8_dequant_interpret"))
 
 
 @needs_triton

@@ -8,10 +8,8 @@ with the torch path here. The GPU tests (test_fp8_gpu.py) run the same cases com
 from __future__ import annotations
 
 import importlib.util
-import os
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,6 +22,7 @@ from tests.quant._fp8_cases import (
     SPECIAL_CONFIGS,
     assert_same_bits,
     random_weight,
+    run_interpreted,
     special_weight,
 )
 from weight_sync.quant.fp8 import Fp8Config, quantize_fp8
@@ -128,14 +127,7 @@ CASES = _cases()
 
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    tmp: Path = tmp_path_factory.mktemp("fp8_interpret")
-    torch.save(CASES, tmp / "in.pt")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-c", _CHILD, str(tmp / "in.pt"), str(tmp / "out.pt")],
-                         capture_output=True, text=True, timeout=300, env=env)
-    assert out.returncode == 0, out.stderr[-4000:]
-    result: dict[str, dict[str, Any]] = torch.load(tmp / "out.pt")
-    return result
+    return run_interpreted(_CHILD, CASES, tmp_path_factory.mktemp("fp8_interpret"))
 
 
 @needs_triton
