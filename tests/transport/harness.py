@@ -12,7 +12,6 @@ import ctypes
 import gc
 import itertools
 import os
-import resource
 import time
 from collections.abc import Callable
 from typing import Any
@@ -26,19 +25,27 @@ from weight_sync.reload import torn_reason
 from weight_sync.transport import TransportConfig, WeightReceiver, WeightSender
 
 
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
+def resident_kb() -> dict[str, int]:
+    """This process's resident set by kind, in KiB, from /proc/self/status: RssAnon (heap, stacks,
+    allocator arenas), RssShmem (shared-memory segments it maps) and RssFile (library code and mapped
+    files)."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("RssAnon", "RssShmem", "RssFile"):
+                out[key] = int(value.split()[0])
+    return out
 
 
-def settled_rss_bytes() -> int:
-    """RSS after garbage collection and glibc's malloc_trim: freed heap that the allocator keeps in its
-    arenas is returned first, so what remains is memory something still holds (a leak shows; arena
-    churn from one update to the next does not)."""
+def settled_resident_kb() -> dict[str, int]:
+    """The resident set after garbage collection and glibc's malloc_trim: freed heap that the allocator
+    keeps in its arenas is returned first, so what remains is memory something still holds (a leak shows;
+    arena churn from one update to the next does not)."""
     gc.collect()
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    return rss_bytes()
+    return resident_kb()
 
 
 def _share_address(rank: int, address: str | None) -> str:
@@ -206,7 +213,8 @@ def faults_then_recovery(rank: int, world: int, backend: str, ckpt_a: str, ckpt_
 
 
 def repeated_updates(rank: int, world: int, backend: str, ckpt_a: str, ckpt_b: str, num_updates: int) -> dict:
-    """``num_updates`` consecutive updates alternating two checkpoints; engines sample RSS."""
+    """``num_updates`` consecutive updates alternating two checkpoints; every rank samples its resident
+    set (``settled_resident_kb``) after each."""
     end, _engine, _ = connect_pair(rank, world, backend, ckpt_a, tp=False)
     sources = [CheckpointSource(ckpt_b), CheckpointSource(ckpt_a)]
     manifests = [s.manifest() for s in sources]
@@ -214,13 +222,13 @@ def repeated_updates(rank: int, world: int, backend: str, ckpt_a: str, ckpt_b: s
         rss = []
         for v in range(num_updates):
             end.send(sources[v % 2], manifests[v % 2], version=v)
-            rss.append(settled_rss_bytes())
+            rss.append(settled_resident_kb())
         end.close()
         return {"rss": rss}
     rss, fps = [], []
     for _ in range(num_updates):
         fps.append(end.receive_update().fingerprint)
-        rss.append(settled_rss_bytes())
+        rss.append(settled_resident_kb())
     end.close()
     return {"rss": rss, "fingerprints": fps}
 
