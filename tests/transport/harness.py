@@ -554,3 +554,52 @@ def gpu_flipped_byte(rank: int, world: int, backend: str, ckpt_a: str, ckpt_b: s
     receiver.close()
     dist.barrier()
     return {"outcomes": outcomes, "rolled_back": after == before, "torn": torn, "final_is_fresh": final == fresh}
+
+
+# ---------------------------------------------------------------------- send(): the finish folded into the call
+def folded_finish(rank: int, world: int, backend: str, ckpt_a: str, ckpt_b: str, explicit_rank: int | None,
+                  failing_rank: int | None, config: dict | None = None) -> dict:
+    """Three ``send`` updates (b, a, a). Receivers run ``receive_update``, except ``explicit_rank``, which
+    drives ``start`` / ``update_weights`` / ``finish`` itself; in the second update a post-update hook
+    raises on ``failing_rank`` (its commit cannot be prepared)."""
+    end, engine, _ = connect_pair(rank, world, backend, ckpt_a, tp=False, rollback=True, config=config)
+    sources = [CheckpointSource(ckpt_b), CheckpointSource(ckpt_a), CheckpointSource(ckpt_a)]
+    outcomes: list[tuple[str, str]] = []
+    if rank == 0:
+        controls = []
+        for v, src in enumerate(sources, start=1):
+            try:
+                report = end.send(src, src.manifest(), version=v)
+                controls.append(report.host_waits.get("control"))
+                outcomes.append(("ok", ",".join(str(r["version"]) for r in report.receivers)))
+            except Exception as e:
+                outcomes.append((type(e).__name__, str(e)))
+        end.close()
+        return {"outcomes": outcomes, "controls": controls}
+    failing = [False]
+    if rank == failing_rank:
+        def hook(_model: Any) -> None:
+            if failing[0]:
+                raise RuntimeError(f"rank {rank}: the post-update hook refuses this update")
+
+        from weight_sync.reload import register_post_update_hook
+
+        register_post_update_hook(engine.model, hook)
+    after = []
+    for v in range(1, len(sources) + 1):
+        failing[0] = v == 2
+        try:
+            if rank == explicit_rank:
+                end.start_weight_update()
+                end.update_weights()
+                end.finish_weight_update()
+            else:
+                end.receive_update()
+            outcomes.append(("ok", ""))
+        except Exception as e:
+            outcomes.append((type(e).__name__, str(e)))
+        after.append((engine.fingerprint(), end.weight_version, torn_reason(engine.model)))
+    fresh = {"a": ReferenceEngine.from_checkpoint(ckpt_a).fingerprint(),
+             "b": ReferenceEngine.from_checkpoint(ckpt_b).fingerprint()}
+    end.close()
+    return {"outcomes": outcomes, "after": after, "fresh": fresh}

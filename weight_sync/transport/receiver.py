@@ -39,7 +39,7 @@ from weight_sync.transport.disk import DiskReader
 from weight_sync.transport.group import Channel, join_store
 from weight_sync.transport.liveness import Heartbeat
 from weight_sync.transport.receiver_link import ReceiverLink, join_link, open_plane
-from weight_sync.transport.status import raise_agreed, status_of
+from weight_sync.transport.status import FOLDED, all_folded, raise_agreed, status_of
 from weight_sync.transport.wire import ControlHeader, WireParams
 
 __all__ = ["WeightReceiver"]
@@ -111,6 +111,8 @@ class WeightReceiver:
         self._stats_at_start: dict[str, int] = {}
         # Delta sync: a host copy of the last committed update, made once a sender asks for it.
         self._delta_base: ReceiverDeltaBase | None = None
+        # The report of an update committed in its last call's exchange (receive_update takes it).
+        self._folded_report: Any = None
 
     # ------------------------------------------------------------------ connection
     def connect(self) -> WireParams | None:
@@ -163,9 +165,11 @@ class WeightReceiver:
             raise TransportError(msg)
         return header
 
-    def _handle(self, header: ControlHeader, wanted: str, error: BaseException | None = None) -> Any:
+    def _handle(self, header: ControlHeader, wanted: str, error: BaseException | None = None, *,
+                fold: bool = False) -> Any:
         """Run the protocol of ``header`` (as a failing rank if it is not what the caller asked for, or
-        when ``error`` says this rank already failed)."""
+        when ``error`` says this rank already failed). ``fold``: the caller takes the finish too (see
+        :meth:`_on_call`)."""
         if error is None and header.kind != wanted:
             error = UpdateStateError(
                 f"[rank {self.rank}] {wanted} was called while the sender is in {header.kind}"
@@ -177,7 +181,7 @@ class WeightReceiver:
             if header.kind == "start":
                 return self._on_start(header, error)
             if header.kind == "call":
-                return self._on_call(header, error)
+                return self._on_call(header, error, fold)
             if header.kind == "finish":
                 return self._on_finish(error)
             raise TransportError(f"[rank {self.rank}] unexpected control header {header.kind!r}")
@@ -285,7 +289,7 @@ class WeightReceiver:
                        f"{header.reuse_manifest_of}, which this receiver does not hold")
                 self._channel.fail(msg)
                 raise TransportError(msg)
-            manifest = Manifest(cached.tensors, version=header.version)
+            manifest = cached.with_version(header.version)
         if self._session is not None:
             self._abort_session("a new update started before the previous one finished")
         wire = None
@@ -296,7 +300,7 @@ class WeightReceiver:
             self._delta_base = self._delta_base or ReceiverDeltaBase()
             fingerprint = getattr(self.last_report, "fingerprint", None)
             try:
-                wire = self._delta_base.check(header.delta, Manifest(manifest.tensors, version=header.version),
+                wire = self._delta_base.check(header.delta, manifest.with_version(header.version),
                                               self.rank, self.weight_version, fingerprint)
             except Exception as e:
                 error = e
@@ -355,11 +359,34 @@ class WeightReceiver:
             raise
         self._handle(header, header.kind, error)
 
-    def _on_call(self, header: ControlHeader, error: BaseException | None) -> int:
+    def _on_call(self, header: ControlHeader, error: BaseException | None, fold: bool = False) -> int:
+        """Load one call; with ``fold`` and a call the sender finishes right after (``then_finish``, its
+        ``send``), also prepare the commit before the call's status exchange and vote on both in it.
+
+        The exchange then decides the commit exactly as the finish's would: every rank sees every record,
+        so when every receiver folded and none failed, all commit after it and the sender sends no finish
+        header (one round trip less per update). When some receiver did not fold (an engine driving
+        ``update_weights`` and ``finish_weight_update`` itself), the folded ones keep their prepared
+        session and take the finish as usual (``prepare`` does not run twice).
+        """
         assert self._channel is not None and self._link is not None
         loaded, error = self._link.consume_call(header, self._manifest, self._session, self._version, error)
-        statuses = self._channel.exchange_status(status_of(self.rank, "update_weights", error))
+        # Not with tensors missing: the sender failed mid-call (its status says so; an incomplete
+        # verdict here would only blur the agreed error) or it will refuse the finish itself.
+        folding = (fold and header.then_finish and error is None
+                   and (self.session_options["allow_partial"] or not self._session.missing()))
+        phase = "update_weights"
+        summary: dict[str, Any] = {}
+        if folding:
+            error, summary = self._prepare_commit()
+            if error is not None:
+                phase = "finish_weight_update"
+            else:
+                summary[FOLDED] = True
+        statuses = self._channel.exchange_status(status_of(self.rank, phase, error, summary))
         raise_agreed(statuses, "update_weights", self._channel.size, local=error)
+        if folding and all_folded(statuses):
+            self._folded_report = self._commit_prepared()
         return loaded
 
     def finish_weight_update(self) -> Any:
@@ -382,29 +409,38 @@ class WeightReceiver:
         report travels in the same record as the vote.
         """
         assert self._channel is not None
-        size = self._channel.size
+        summary: dict[str, Any] = {}
+        if error is None:
+            error, summary = self._prepare_commit()
+        statuses = self._channel.exchange_status(status_of(self.rank, "finish_weight_update", error, summary))
+        # Any failure, here or elsewhere: _handle aborts this rank's session (a no-op if prepare did).
+        raise_agreed(statuses, "finish_weight_update", self._channel.size, local=error)
+        return self._commit_prepared()
+
+    def _prepare_commit(self) -> tuple[BaseException | None, dict[str, Any]]:
+        """Everything of the commit that can fail, before the vote: (the error, or None and the summary
+        this rank reports in the vote)."""
         session = self._session
-        if error is None and session is None:
-            error = UpdateStateError(f"[rank {self.rank}] finish_weight_update without an open update")
-        if error is None and not self.session_options["allow_partial"]:
+        if session is None:
+            return UpdateStateError(f"[rank {self.rank}] finish_weight_update without an open update"), {}
+        if not self.session_options["allow_partial"]:
             missing = session.missing()
             if missing:
                 from weight_sync.errors import IncompleteUpdateError
 
-                error = IncompleteUpdateError(
+                return IncompleteUpdateError(
                     f"[rank {self.rank}] {len(missing)} announced tensor(s) never arrived: {missing[:5]}",
                     tuple(missing),
-                )
-        summary: dict[str, Any] = {}
-        if error is None:
-            try:
-                session.prepare()  # a failure aborts the session (rolled back or torn)
-                summary = {"rank": self.rank, **session.prepared_summary(), "transport": self.transport_stats()}
-            except Exception as e:
-                error = e
-        statuses = self._channel.exchange_status(status_of(self.rank, "finish_weight_update", error, summary))
-        # Any failure, here or elsewhere: _handle aborts this rank's session (a no-op if prepare did).
-        raise_agreed(statuses, "finish_weight_update", size, local=error)
+                ), {}
+        try:
+            session.prepare()  # a failure aborts the session (rolled back or torn); a second call returns
+        except Exception as e:
+            return e, {}
+        return None, {"rank": self.rank, **session.prepared_summary(), "transport": self.transport_stats()}
+
+    def _commit_prepared(self) -> Any:
+        """After an agreed vote: the bookkeeping that cannot fail."""
+        session = self._session
         self._session = None
         self._state = "idle"
         report = session.commit()
@@ -454,7 +490,11 @@ class WeightReceiver:
             header = self._header("update_weights or finish_weight_update")
             if header.kind == "finish":
                 return self._handle(header, "finish")
-            self._handle(header, "call")
+            self._folded_report = None
+            self._handle(header, "call", fold=True)
+            if self._folded_report is not None:
+                report, self._folded_report = self._folded_report, None
+                return report
 
     def close(self) -> None:
         """Release imported buffers and groups (local: the sender closes on its own)."""

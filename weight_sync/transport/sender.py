@@ -46,7 +46,7 @@ from weight_sync.transport.liveness import unresponsive_ranks
 from weight_sync.transport.packer import BucketPacker
 from weight_sync.transport.planes import BroadcastSenderPlane, SharedSenderPlane
 from weight_sync.transport.source import Checked, close_source
-from weight_sync.transport.status import raise_agreed, status_of
+from weight_sync.transport.status import FOLDED, all_folded, raise_agreed, status_of
 from weight_sync.transport.wire import (
     TRAILER_BYTES,
     ControlHeader,
@@ -136,6 +136,10 @@ class WeightSender:
         self._zc: RegionExporter | None = None  # zero-copy: the exported storages
         self._zc_event: Any = None  # zero-copy ipc: recorded once the call's tensors are produced
         self._stats_at_start: dict[str, int] = {}
+        # send(): its call announces the finish (ControlHeader.then_finish); the call's exchange records
+        # when every receiver committed in it.
+        self._then_finish = False
+        self._folded: list[RankStatus] | None = None
         self._disk: DiskWriter | None = None
         # Delta sync: the base (last version every receiver committed) and the delta send.
         self._delta = DeltaSender(base=config.delta_base, chunk_elems=config.delta_chunk_elems) if config.delta else None
@@ -313,7 +317,7 @@ class WeightSender:
         reuse = self._agreed_manifest
         if reuse is not None and (given is reuse[0] or given == reuse[0]):
             # The same tensors as an update every receiver already accepted: no re-encoding, no rebuild.
-            manifest = Manifest(reuse[1].tensors, version=version)
+            manifest = reuse[1].with_version(version)
         else:
             reuse = None
             manifest = Manifest(tuple(TensorMeta(m.name, m.dtype, m.shape) for m in given), version=version)
@@ -339,12 +343,15 @@ class WeightSender:
         self._store.set(f"{PREFIX}/start/{self._seq}", "1")
         if self._seq > 1:
             self._store.delete_key(f"{PREFIX}/start/{self._seq - 1}")
+        # Zero-copy: storages that died since the last header (an update committed in its call has no
+        # finish header to carry them) are released first.
+        releases = self._zc.releases() if self._zc is not None else None
         if reuse is not None:
             header = ControlHeader(kind="start", seq=self._seq, version=version, reuse_manifest_of=reuse[2],
-                                   delta=delta)
+                                   delta=delta, zero_copy=releases)
         else:
             header = ControlHeader(kind="start", seq=self._seq, version=version, manifest=manifest.to_json(),
-                                   delta=delta)
+                                   delta=delta, zero_copy=releases)
         self._channel.broadcast_bytes(header.to_json().encode(), "start_weight_update")
         statuses = self._channel.exchange_status(RankStatus(rank=0, ok=True, phase="start_weight_update"))
         self._state = "open"
@@ -429,7 +436,7 @@ class WeightSender:
         self._call += 1
         assert self._channel is not None and self._plane is not None
         header = ControlHeader(kind="call", seq=self._seq, call=self._call, first=first, count=count,
-                               num_buckets=layout.num_buckets)
+                               num_buckets=layout.num_buckets, then_finish=self._finishes_after(first, count))
         channel = self._channel
 
         def announce() -> None:
@@ -455,9 +462,15 @@ class WeightSender:
         self._settle_call(self._channel.exchange_status(status_of(0, "update_weights", local_error)), local_error)
         return count
 
+    def _finishes_after(self, first: int, count: int) -> bool:
+        """Whether this call is the last of a ``send``: it ends the manifest and the finish follows."""
+        assert self._manifest is not None
+        return self._then_finish and first + count == len(self._manifest)
+
     def _settle_call(self, statuses: list[RankStatus], error: BaseException | None) -> None:
         """Raise the call's agreed failure, if any rank failed; then every receiver aborted its update
-        (rolled back or torn) and this sender is idle again."""
+        (rolled back or torn) and this sender is idle again. When every receiver also committed in the
+        exchange (a ``then_finish`` call), the statuses are kept for ``send``'s report."""
         try:
             raise_agreed(statuses, "update_weights", self.world_size, local=error)
         except BaseException:
@@ -465,6 +478,7 @@ class WeightSender:
                 self._zc.reset()  # a receiver may lack regions: both sides start over
             self._state = "idle"
             raise
+        self._folded = statuses if self._then_finish and all_folded(statuses) else None
 
     def _zero_copy_call(self, named_tensors: Iterable[tuple[str, torch.Tensor]], metas: tuple[TensorMeta, ...],
                         first: int, error: BaseException | None) -> int:
@@ -500,6 +514,7 @@ class WeightSender:
             # The source produced the tensors on the caller's stream: receivers wait for this point.
             self._zc_event.record(torch.cuda.current_stream(self.device))
         header = ControlHeader(kind="call", seq=self._seq, call=self._call, first=first, count=len(metas),
+                               then_finish=self._finishes_after(first, len(metas)),
                                zero_copy=zc.payload((first, len(metas)), regions, table))
         channel.broadcast_bytes(header.to_json().encode(), "update_weights")
         statuses = channel.exchange_status(status_of(0, "update_weights", error))
@@ -530,15 +545,20 @@ class WeightSender:
             return self._report([])
         assert self._channel is not None
         # Zero-copy: storages that died during the update (the source's temporaries) are released now.
-        header = ControlHeader(kind="finish", seq=self._seq, zero_copy=self._zc.control() if self._zc else None)
+        header = ControlHeader(kind="finish", seq=self._seq, zero_copy=self._zc.releases() if self._zc else None)
         self._channel.broadcast_bytes(header.to_json().encode(), "finish_weight_update")
         self._state = "idle"
         # One exchange: receivers prepared (every check that can fail) before it and commit after it.
         statuses = self._channel.exchange_status(RankStatus(rank=0, ok=True, phase="finish_weight_update"))
         raise_agreed(statuses, "finish_weight_update", self.world_size)
+        return self._finished(statuses)
+
+    def _finished(self, statuses: list[RankStatus]) -> TransferReport:
+        """The update committed on every receiver (in the finish's exchange or its last call's)."""
+        self._state = "idle"
         if self.config.backend == "ipc":
             torch.cuda.ipc_collect()  # free exports whose importers are gone; our buffers stay referenced
-        return self._report([s.report for s in statuses[1:]])
+        return self._report([{k: v for k, v in s.report.items() if k != FOLDED} for s in statuses[1:]])
 
     def _report(self, receivers: list[dict[str, Any]]) -> TransferReport:
         assert self._manifest is not None
@@ -562,7 +582,16 @@ class WeightSender:
         if self._delta is not None:
             return self._delta.send(self, named_tensors, manifest, version)
         self.start_weight_update(manifest, version)
-        self.update_weights(named_tensors)
+        # The call announces the finish: receivers running the whole update (receive_update) prepare the
+        # commit and vote on it in the call's exchange, and when all did, it was the finish's round trip.
+        self._then_finish, self._folded = True, None
+        try:
+            self.update_weights(named_tensors)
+        finally:
+            self._then_finish = False
+        folded, self._folded = self._folded, None
+        if folded is not None:
+            return self._finished(folded)
         return self.finish_weight_update()
 
     def close(self) -> None:

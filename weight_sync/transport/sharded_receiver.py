@@ -227,7 +227,7 @@ class ShardedReceiver:
         if self._manifest is None or self._manifest[0] != digest:
             raise TransportError(f"[engine rank {self.rank}] the trainers reuse manifest {digest[:12]}, which this "
                                  "rank does not hold")
-        return Manifest(self._manifest[1].tensors, version=header.get("version"))
+        return self._manifest[1].with_version(header.get("version"))
 
     def _begin(self, manifest: Manifest, version: Any) -> Any:
         opts = dict(self.session_options, version=version)

@@ -19,9 +19,11 @@ from weight_sync.errors import (
 from weight_sync.transport.wire import RankStatus
 
 __all__ = [
+    "FOLDED",
     "AgreedChecksumError",
     "AgreedManifestError",
     "AgreedSourceError",
+    "all_folded",
     "raise_agreed",
     "status_of",
 ]
@@ -50,6 +52,16 @@ def status_of(rank: int, phase: str, error: BaseException | None, report: dict[s
         return RankStatus(rank=rank, ok=True, phase=phase, report=report or {})
     return RankStatus(rank=rank, ok=False, phase=phase, error_type=type(error).__name__,
                       message=str(error), report=report or {})
+
+
+# Set in a receiver's record of a call's exchange when it also prepared the commit (``then_finish``).
+FOLDED = "folded"
+
+
+def all_folded(statuses: list[RankStatus]) -> bool:
+    """Whether every receiver (rank 1..) prepared the commit in a call's exchange: then the exchange was
+    the finish's vote too, and every rank commits after it (decided from the same records everywhere)."""
+    return len(statuses) > 1 and all(s.ok and s.report.get(FOLDED) for s in statuses[1:])
 
 
 def raise_agreed(statuses: list[RankStatus], phase: str, world_size: int, *, local: BaseException | None = None) -> None:

@@ -144,7 +144,9 @@ class ControlHeader:
     start: ``version`` and ``manifest`` (Manifest JSON), or ``reuse_manifest_of``: the update whose
     (agreed) manifest this one repeats, so an unchanged manifest is not re-encoded every step.
     call: ``first`` and ``count`` select a run of the manifest, ``num_buckets`` lets receivers
-    cross-check their own layout of it. zero_copy (zero-copy transports): ``drop`` (region ids
+    cross-check their own layout of it; ``then_finish``: the sender finishes right after this call (its
+    ``send``), so receivers that run the whole update may prepare the commit and vote on it in the call's
+    status exchange (``WeightReceiver._on_call``). zero_copy (zero-copy transports): ``drop`` (region ids
     receivers release, any kind), ``reset`` (release every region), and for a call ``regions`` (new
     exports) and ``table`` ([region id, byte offset] per tensor; None when the sender failed to
     produce the call's tensors).
@@ -161,6 +163,7 @@ class ControlHeader:
     first: int = 0
     count: int = 0
     num_buckets: int = 0
+    then_finish: bool = False
     zero_copy: dict[str, Any] | None = None
     delta: dict[str, Any] | None = None
     protocol: int = PROTOCOL_VERSION

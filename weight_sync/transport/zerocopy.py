@@ -144,9 +144,7 @@ class RegionExporter:
                 ) -> dict[str, Any]:
         """A call's ``zero_copy`` header field: releases first, then new regions and the table (or
         ``same_table`` when it repeats the last one sent for this run of the manifest)."""
-        out = dict(self.control(), regions=regions, table=table, same_table=False)
-        if out["drop"] or out["reset"]:
-            self._tables.clear()  # receivers drop their cached views with any region
+        out = dict(self.releases(), regions=regions, table=table, same_table=False)
         if table is not None:
             if self._tables.get(key) == table:
                 out.update(table=[], same_table=True)
@@ -167,6 +165,14 @@ class RegionExporter:
                 del self._regions[key]
         out = {"drop": [] if self._reset else self._dropped, "reset": self._reset}
         self._dropped, self._reset = [], False
+        return out
+
+    def releases(self) -> dict[str, Any]:
+        """:meth:`control` for a header: receivers drop every cached view with any region
+        (``RegionImporter.drop``), so the tables they mirror are forgotten here too."""
+        out = self.control()
+        if out["drop"] or out["reset"]:
+            self._tables.clear()
         return out
 
     def reset(self) -> None:

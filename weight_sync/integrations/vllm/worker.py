@@ -265,7 +265,7 @@ class WeightSyncWorkerMixin:
         cached: tuple[tuple, Manifest] | None = getattr(self, "_ws_manifest", None)
         if cached is not None and cached[0] == key:
             manifest = cached[1]
-            return manifest if manifest.version == version else Manifest(manifest.tensors, version=version)
+            return manifest if manifest.version == version else manifest.with_version(version)
         manifest = Manifest.from_named_tensors(items, version=version)
         self._ws_manifest = (key, manifest)
         return manifest
