@@ -150,6 +150,17 @@ def test_the_checker_reports_a_leaked_thread() -> None:
         t.join()
 
 
+def test_the_checker_reports_a_leaked_file_but_not_a_library_opened_once_for_the_process(tmp_path) -> None:
+    before = Hygiene.take()
+    with open(tmp_path / "model.safetensors", "wb") as leaked, open(torch.__file__, "rb"):
+        with pytest.raises(Leaked, match=r"model\.safetensors"):
+            before.check("a sequence")
+        # The checkpoint closed, the library file still open: code opening a file of the installed
+        # packages on first use (and keeping it) is not the sequence's leak.
+        leaked.close()
+        before.check("a sequence")
+
+
 class _CorruptingFp8Machine(Fp8EngineMachine):
     """An engine whose every commit leaves one layer on the bytes of another version."""
 
