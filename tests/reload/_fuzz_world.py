@@ -300,20 +300,22 @@ def _started_by(t: threading.Thread, owner: threading.Thread, before: frozenset[
 @dataclass(frozen=True)
 class Hygiene:
     """What a sequence could leak, taken before it and compared after it: the threads alive (and the one
-    running the sequence), counts of file descriptors and child processes."""
+    running the sequence), the open file descriptors (what each points at) and the count of child processes."""
 
     threads: frozenset[threading.Thread]
     owner: threading.Thread
-    fds: int
+    fd_targets: tuple[str, ...]
     children: int
-    fd_targets: tuple[str, ...] = ()
+
+    @property
+    def fds(self) -> int:
+        return len(self.fd_targets)
 
     @classmethod
     def take(cls) -> Hygiene:
         gc.collect()
-        targets = _fd_targets()
-        return cls(frozenset(threading.enumerate()), threading.current_thread(), len(targets),
-                   len(multiprocessing.active_children()), targets)
+        return cls(frozenset(threading.enumerate()), threading.current_thread(), _fd_targets(),
+                   len(multiprocessing.active_children()))
 
     def check(self, label: str) -> None:
         now = Hygiene.take()

@@ -136,8 +136,7 @@ def still_holds(base: Baseline, model: nn.Module) -> bool:
     if not base.sizes:
         return False  # released
     for mod, n in base.sizes:
-        m = model if mod is None else mod  # _sizes, inlined: this runs for every module at every begin
-        if (len(m._parameters), len(m._buffers), len(m._modules), len(m.__dict__)) != n:
+        if _sizes(model if mod is None else mod) != n:
             return False
     return _unchanged(base, (), model)
 

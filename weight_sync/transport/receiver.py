@@ -111,8 +111,6 @@ class WeightReceiver:
         self._stats_at_start: dict[str, int] = {}
         # Delta sync: a host copy of the last committed update, made once a sender asks for it.
         self._delta_base: ReceiverDeltaBase | None = None
-        # The report of an update committed in its last call's exchange (receive_update takes it).
-        self._folded_report: Any = None
 
     # ------------------------------------------------------------------ connection
     def connect(self) -> WireParams | None:
@@ -373,8 +371,7 @@ class WeightReceiver:
         loaded, error = self._link.consume_call(header, self._manifest, self._session, self._version, error)
         # Not with tensors missing: the sender failed mid-call (its status says so; an incomplete
         # verdict here would only blur the agreed error) or it will refuse the finish itself.
-        folding = (fold and header.then_finish and error is None
-                   and (self.session_options["allow_partial"] or not self._session.missing()))
+        folding = fold and header.then_finish and error is None and self._incomplete() is None
         phase = "update_weights"
         summary: dict[str, Any] = {}
         if folding:
@@ -386,7 +383,7 @@ class WeightReceiver:
         statuses = self._channel.exchange_status(status_of(self.rank, phase, error, summary))
         raise_agreed(statuses, "update_weights", self._channel.size, local=error)
         if folding and all_folded(statuses):
-            self._folded_report = self._commit_prepared()
+            self._commit_prepared()  # receive_update sees this receiver idle and returns last_report
         return loaded
 
     def finish_weight_update(self) -> Any:
@@ -411,27 +408,34 @@ class WeightReceiver:
         assert self._channel is not None
         summary: dict[str, Any] = {}
         if error is None:
+            error = self._incomplete()
+        if error is None:
             error, summary = self._prepare_commit()
         statuses = self._channel.exchange_status(status_of(self.rank, "finish_weight_update", error, summary))
         # Any failure, here or elsewhere: _handle aborts this rank's session (a no-op if prepare did).
         raise_agreed(statuses, "finish_weight_update", self._channel.size, local=error)
         return self._commit_prepared()
 
+    def _incomplete(self) -> BaseException | None:
+        """The error of committing now with announced tensors missing (None: complete, partial updates
+        allowed, or no open update, which :meth:`_prepare_commit` refuses)."""
+        if self._session is None or self.session_options["allow_partial"]:
+            return None
+        missing = self._session.missing()
+        if not missing:
+            return None
+        from weight_sync.errors import IncompleteUpdateError
+
+        return IncompleteUpdateError(
+            f"[rank {self.rank}] {len(missing)} announced tensor(s) never arrived: {missing[:5]}", tuple(missing)
+        )
+
     def _prepare_commit(self) -> tuple[BaseException | None, dict[str, Any]]:
-        """Everything of the commit that can fail, before the vote: (the error, or None and the summary
-        this rank reports in the vote)."""
+        """Everything of the commit that can fail, before the vote, once :meth:`_incomplete` passed: (the
+        error, or None and the summary this rank reports in the vote)."""
         session = self._session
         if session is None:
             return UpdateStateError(f"[rank {self.rank}] finish_weight_update without an open update"), {}
-        if not self.session_options["allow_partial"]:
-            missing = session.missing()
-            if missing:
-                from weight_sync.errors import IncompleteUpdateError
-
-                return IncompleteUpdateError(
-                    f"[rank {self.rank}] {len(missing)} announced tensor(s) never arrived: {missing[:5]}",
-                    tuple(missing),
-                ), {}
         try:
             session.prepare()  # a failure aborts the session (rolled back or torn); a second call returns
         except Exception as e:
@@ -490,11 +494,9 @@ class WeightReceiver:
             header = self._header("update_weights or finish_weight_update")
             if header.kind == "finish":
                 return self._handle(header, "finish")
-            self._folded_report = None
             self._handle(header, "call", fold=True)
-            if self._folded_report is not None:
-                report, self._folded_report = self._folded_report, None
-                return report
+            if self._state == "idle":  # committed in the call's exchange (a failure would have raised)
+                return self.last_report
 
     def close(self) -> None:
         """Release imported buffers and groups (local: the sender closes on its own)."""
