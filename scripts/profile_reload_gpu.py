@@ -70,11 +70,20 @@ def main() -> None:
         engine = ReferenceEngine.from_config(cfg, weights=random_weights(cfg, seed=0, device=device),
                                              device=device, quantization=quant)
 
-        def ours(engine=engine) -> None:
+        reports: list = []
+        begun: list[float] = []
+
+        def ours(engine=engine, reports=reports, begun=begun) -> None:
+            t0 = time.perf_counter()
             with begin_update(engine.model, manifest, fingerprint=False) as s:
+                begun.append(time.perf_counter() - t0)
                 s.load(source)
+            reports.append(s.report)
 
         dev, wall = cuda_ms(ours, args.repeats)
+        last = reports[-1].seconds
+        print(f"   host phases of the last update (ms): begin {begun[-1] * 1e3:.2f}, "
+              + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in last.items() if v > 1e-5), flush=True)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             ours()
             torch.cuda.synchronize()

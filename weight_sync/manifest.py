@@ -168,7 +168,7 @@ class Manifest:
 
     @property
     def names(self) -> tuple[str, ...]:
-        return tuple(m.name for m in self.tensors)
+        return tuple(self._index)  # in entry order (insertion order of the index)
 
     @property
     def nbytes(self) -> int:

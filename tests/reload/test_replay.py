@@ -154,3 +154,72 @@ def test_a_list_writing_one_place_twice_keeps_the_per_key_order_and_is_never_bat
         assert torch.equal(model.w, items[1][1])
         # One grouped copy would not order the two writes on a device: the list is not recorded.
         assert get_state(model).replays[("a", "b")] is None
+
+
+def _whole_list_update(engine: ReferenceEngine, items: list[tuple[str, torch.Tensor]],
+                       manifest: Manifest | None = None) -> None:
+    with begin_update(engine.model, manifest or Manifest.from_named_tensors(items)) as s:
+        s.load(items)
+
+
+@pytest.fixture
+def small_pieces(monkeypatch):
+    """Pieces of 4 keys, so the tiny model's one-list update is replayed in many pieces."""
+    import weight_sync.reload.replay as replay
+
+    monkeypatch.setattr(replay, "PIECE_KEYS", 4)
+
+
+def test_a_list_replayed_in_pieces_writes_the_exact_weights(small_pieces) -> None:
+    engine = _fresh(0)
+    for seed in (1, 2, 3):
+        _whole_list_update(engine, _weights(seed))
+        rec = get_state(engine.model).replays[tuple(n for n, _ in _weights(seed))]
+        assert len(rec.pieces) > 3
+        assert_bitwise_equal(engine.model, _fresh(seed).model)
+
+
+def test_a_later_piece_in_another_dtype_is_loaded_per_key_after_the_pieces_before_it(small_pieces,
+                                                                                    monkeypatch) -> None:
+    from weight_sync.reload.session import UpdateSession
+
+    engine = _fresh(0)
+    _whole_list_update(engine, _weights(1))
+    items = _weights(2)
+    late = len(items) - 2  # in the last piece: the pieces before it are replayed, the rest goes per key
+    mixed = [(n, t.float() if i == late else t) for i, (n, t) in enumerate(items)]
+    per_key: list[str] = []
+    load_one = UpdateSession._load_one
+    monkeypatch.setattr(UpdateSession, "_load_one", lambda self, n, t: (per_key.append(n), load_one(self, n, t)))
+    with begin_update(engine.model, Manifest.from_named_tensors(mixed)) as s:
+        s.load(mixed)
+    assert per_key == [n for n, _ in items[late // 4 * 4:]]
+    fresh = ReferenceEngine.from_config(CFG, weights=iter(mixed), use_cuda_graph=False)
+    assert_bitwise_equal(engine.model, fresh.model)
+
+
+def test_a_later_piece_with_a_wrong_shape_is_refused_by_name_and_every_piece_rolled_back(small_pieces) -> None:
+    engine = _fresh(0)
+    good = _weights(1)
+    _whole_list_update(engine, good)
+    items = _weights(2)
+    name, t = items[-2]
+    bad = [*items[:-2], (name, torch.zeros(t.shape[0] + 1, *t.shape[1:], dtype=t.dtype)), *items[-1:]]
+    with (pytest.raises((LayoutMismatchError, ManifestError), match=name.replace(".", r"\.")),
+          begin_update(engine.model, Manifest.from_named_tensors(good), rollback=True) as s):
+        s.load(bad)
+    assert_bitwise_equal(engine.model, _fresh(1).model)
+    _whole_list_update(engine, _weights(3))
+    assert_bitwise_equal(engine.model, _fresh(3).model)
+
+
+def test_a_later_piece_repeating_a_key_already_loaded_is_refused_as_a_duplicate(small_pieces) -> None:
+    engine = _fresh(0)
+    _whole_list_update(engine, _weights(1))
+    items = _weights(2)
+    last_name = items[-1][0]
+    with (pytest.raises(DuplicateTensorError, match=last_name.replace(".", r"\.")),
+          begin_update(engine.model, Manifest.from_named_tensors(items), rollback=True) as s):
+        s.load(items[-1:])  # the last key first ...
+        s.load(items)  # ... then the recorded list: its last piece holds it again
+    assert_bitwise_equal(engine.model, _fresh(1).model)

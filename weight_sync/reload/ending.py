@@ -166,18 +166,24 @@ class EndingSteps(UnitLayers):
         if not partial:
             if self.manifest is not None:
                 ref = self.state.reference
+                tensors = self.manifest.tensors
                 # Kept as the same object while updates announce the same tensors, so the validation
                 # verdict cached against it stays usable.
-                if ref is None or (ref.tensors is not self.manifest.tensors and (
-                    len(ref) != len(self.manifest) or any(
-                        r.name != m.name or r.dtype != m.dtype or r.shape != m.shape
-                        for r, m in zip(ref.tensors, self.manifest.tensors)))):
-                    plain = all(m.checksum is None for m in self.manifest.tensors)
-                    # Without checksums the announced entries are the layout itself: sharing them makes
-                    # the next update announcing the same ones (a transport reuses them) an identity check.
-                    self.state.reference = self.manifest.with_version(None) if plain else Manifest(
-                        tuple(TensorMeta(m.name, m.dtype, m.shape) for m in self.manifest)
-                    )
+                matched = self.state.reference_matched
+                if ref is None or (ref.tensors is not tensors
+                                   and (matched is None or matched[0] is not ref or matched[1] is not tensors)):
+                    if ref is not None and len(ref) == len(self.manifest) and all(
+                            r.name == m.name and r.dtype == m.dtype and r.shape == m.shape
+                            for r, m in zip(ref.tensors, tensors)):
+                        self.state.reference_matched = (ref, tensors)
+                    else:
+                        plain = all(m.checksum is None for m in tensors)
+                        # Without checksums the announced entries are the layout itself: sharing them
+                        # makes the next update announcing the same ones (a transport reuses them) an
+                        # identity check.
+                        self.state.reference = self.manifest.with_version(None) if plain else Manifest(
+                            tuple(TensorMeta(m.name, m.dtype, m.shape) for m in tensors)
+                        )
             elif self.state.reference is None:
                 self.state.reference = Manifest(
                     tuple(TensorMeta(n, kp.dtype, kp.shape) for n, kp in self.plan.keys.items()
@@ -190,9 +196,7 @@ class EndingSteps(UnitLayers):
             version=self.version,
             num_tensors=len(self._arrived),
             num_bytes=self._num_bytes,
-            layers_direct=tuple(sorted(
-                {layer for n in self._arrived for layer in self.plan.keys[n].layers} - processed
-            )),
+            layers_direct=tuple(sorted(self._layers_written() - processed)),
             layers_processed=tuple(self._processed_done),
             layers_per_unit=tuple(self._per_unit),
             layers_banded=tuple(self._banded),
@@ -272,6 +276,12 @@ class EndingSteps(UnitLayers):
             self.version, self._held_peak, self._peak, self._host_peak, self.budget_bytes,
             name_list(self._waited),
         )
+
+    def _layers_written(self) -> set[str]:
+        """Every layer a key of this update went into."""
+        # Per layer rather than per key: a MoE update has ~40x more keys than layers.
+        arrived = self._arrived
+        return {layer for layer, keys in self.plan.layer_keys.items() if not keys.isdisjoint(arrived)}
 
     def _lacking_from_reference(self) -> list[str]:
         """Tensors of the reference layout this update did not bring (ignored keys excluded)."""

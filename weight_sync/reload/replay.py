@@ -5,26 +5,29 @@ small tensors (a MoE layer: 384 expert slices) spends most of its host time in t
 writes of ``UpdateSession.load`` (~3-5 us per name; the copies themselves are queued and launched
 together). When a list's keys all go into direct layers through the session's cached destination views
 (the hot path), the list is recorded as a :class:`ListReplay` the first time it loads cleanly: the
-destination of every key, the layout each key arrived in and the layers it writes. The next time a list
-with the same names in the same order arrives, the session checks each tensor against that record (a
-tensor, same shape, same dtype, same device), checks the manifest's announcement of it and that no key
-arrived earlier in the update, and only then writes: big copies one by one, as the hot path launches
-them, the others in one ``torch._foreach_copy_``. Anything else - another layout, a name announced
-otherwise, a cached view rebuilt since (pointers moved), a duplicate - and the call takes the per-key path,
-which loads what is valid and raises the precise error for what is not. So every guarantee of the per-key
-path holds (manifest first, duplicates refused, layers snapshotted before their first write); the
-record only skips the work that repeats.
+destination of every key, the layout each key arrived in and the layers it writes, in pieces (of
+``FIRST_PIECE_KEYS`` keys, doubling up to ``PIECE_KEYS``). The next time a list with the same names in the same order arrives, the session
+checks each piece's tensors against that record (a tensor, same shape, same dtype, same device), checks
+the manifest's announcement of them and that no key arrived earlier in the update, and only then writes
+the piece: big copies one by one, as the hot path launches them, the others in one grouped copy
+(``grouped_copy.CopyGroup``), which the device runs while the host checks the next piece. Anything else -
+another layout, a name announced otherwise, a cached view rebuilt since (pointers moved), a duplicate -
+and the per-key path takes over from that piece on, which loads what is valid and raises the precise
+error for what is not. So every guarantee of the per-key path holds (manifest first, duplicates refused,
+layers snapshotted before their first write); the record only skips the work that repeats.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from operator import itemgetter
+from itertools import repeat
+from operator import attrgetter, is_, itemgetter, methodcaller
 from typing import Any
 
 import torch
 
+from weight_sync.reload.grouped_copy import CopyGroup
 from weight_sync.reload.plan import dst_view
 from weight_sync.reload.writes import SMALL_COPY_BYTES
 
@@ -32,9 +35,32 @@ __all__ = ["ListReplay", "list_names", "record_list", "replay_list"]
 
 _second = itemgetter(1)
 _first = itemgetter(0)  # the name of a (name, tensor) pair, in C: this runs for every key of every call
+# The per-tensor checks of a replay, each one pass in C over the list (a MoE bucket list is ~6k keys).
+_dtype = attrgetter("dtype")
+_shape = attrgetter("shape")
+_get_device = methodcaller("get_device")
 
 # Records kept per model (one per distinct bucket layout); beyond this the oldest half is dropped.
 MAX_RECORDS = 256
+# Keys per piece of a replayed list: each piece is checked, then written, while the device still copies
+# the previous one (a 6k-key MoE list is checked in ~3 ms of host time, written in ~10 ms of device time).
+# The first pieces are small, so the device starts early; later ones grow to PIECE_KEYS, so the fixed
+# cost of a launch (~50 us of host time) is paid a few times per list, not once per few keys.
+FIRST_PIECE_KEYS = 128
+PIECE_KEYS = 1024
+
+
+@dataclass(eq=False, slots=True)
+class Piece:
+    """The writes of keys ``start:stop`` of a recorded list."""
+
+    start: int
+    stop: int
+    big: tuple[tuple[torch.Tensor, int], ...]  # (destination, index of its source), copied one by one
+    small: CopyGroup  # destinations of one grouped copy ...
+    small_src: tuple[int, ...]  # ... and the index of each one's source
+    layers: tuple[str, ...]  # the layers its keys write (snapshotted before the piece is written)
+    nbytes: int
 
 
 @dataclass(eq=False, slots=True)
@@ -45,11 +71,7 @@ class ListReplay:
     shapes: tuple[torch.Size, ...]
     dtypes: tuple[torch.dtype, ...]
     device: int  # Tensor.get_device() of every source and destination (-1: host memory)
-    big: tuple[tuple[torch.Tensor, int], ...]  # (destination, index of its source), copied one by one
-    small: list[torch.Tensor]  # destinations of one grouped copy ...
-    small_src: tuple[int, ...]  # ... and the index of each one's source
-    layers: tuple[str, ...]
-    nbytes: int
+    pieces: tuple[Piece, ...]
     # The manifest announcement the list was loaded under (every entry matched it). A later update
     # announcing the same manifest gets the same object back (reload/validation.py caches it).
     announced: dict[str, tuple[torch.Size, torch.dtype]] | None
@@ -71,11 +93,15 @@ def record_list(session: Any, items: Sequence[tuple[str, torch.Tensor]], names: 
             del records[key]
     records[names] = None  # until proven otherwise: not replayable (the per-key path each time)
     views = session._views
-    entries, shapes, dtypes, big, small, small_src = [], [], [], [], [], []
+    entries, shapes, dtypes, pieces = [], [], [], []
+    big: list[tuple[torch.Tensor, int]] = []
+    small: list[torch.Tensor] = []
+    small_src: list[int] = []
     layers: dict[str, None] = {}
     written: set[int] = set()  # destinations' data_ptr: one batch writes each place once
     device: int | None = None
-    nbytes = 0
+    nbytes = start = 0
+    size = min(FIRST_PIECE_KEYS, PIECE_KEYS)
     for i, (name, tensor) in enumerate(items):
         entry = views.get(name)
         if entry is None or not isinstance(tensor, torch.Tensor):
@@ -106,50 +132,69 @@ def record_list(session: Any, items: Sequence[tuple[str, torch.Tensor]], names: 
         shapes.append(tensor.shape)
         dtypes.append(tensor.dtype)
         nbytes += tensor.nbytes
+        if i + 1 - start == size or i + 1 == len(items):
+            pieces.append(Piece(start, i + 1, tuple(big), CopyGroup(small), tuple(small_src), tuple(layers), nbytes))
+            big, small, small_src, layers, nbytes, start = [], [], [], {}, 0, i + 1
+            size = min(2 * size, PIECE_KEYS)
     assert device is not None
-    records[names] = ListReplay(tuple(entries), tuple(shapes), tuple(dtypes), device, tuple(big), small,
-                                tuple(small_src), tuple(layers), nbytes, session._announced)
+    records[names] = ListReplay(tuple(entries), tuple(shapes), tuple(dtypes), device, tuple(pieces),
+                                session._announced)
 
 
-def replay_list(session: Any, items: Sequence[tuple[str, torch.Tensor]], names: tuple[str, ...]) -> bool:
-    """Write ``items`` (named ``names``) as their record says; False (nothing written) when the per-key
-    path must run."""
+def replay_list(session: Any, items: Sequence[tuple[str, torch.Tensor]], names: tuple[str, ...]) -> int:
+    """Write ``items`` (named ``names``) as their record says, piece by piece; how many leading items
+    were written (0: nothing, the per-key path runs on the whole list).
+
+    A piece is checked whole before it is written. When one fails its check, the pieces before it are
+    written (each key of them valid, as the per-key path would have written it) and the per-key path
+    takes the rest from there, which loads what is valid and raises the precise error for what is not.
+    """
     records = session.state.replays
     rec = records.get(names)
     if rec is None:
-        return False
-    if not _valid(session, rec, names, items):
-        # Recorded at another layout, or a cached view was rebuilt since: the per-key path runs and
-        # records the list again if it still qualifies.
-        del records[names]
-        return False
-    for layer in rec.layers:
-        session._prepare(layer)  # the rollback snapshot of a layer before its first write
+        return 0
     tensors = list(map(_second, items))
-    for dst, i in rec.big:
-        dst.copy_(tensors[i])
-    if rec.small:
-        torch._foreach_copy_(rec.small, [tensors[i] for i in rec.small_src])
-    session._arrived.update(names)
-    session._num_bytes += rec.nbytes
-    session._replayed += len(names)
-    return True
+    prepare = session._prepare
+    for piece in rec.pieces:
+        a, b = piece.start, piece.stop
+        if not _valid(session, rec, names, tensors, a, b):
+            # Recorded at another layout, or a cached view was rebuilt since: the per-key path runs and
+            # records the list again if it still qualifies.
+            del records[names]
+            return a
+        for layer in piece.layers:
+            prepare(layer)  # the rollback snapshot of a layer before its first write
+        for dst, i in piece.big:
+            dst.copy_(tensors[i])
+        if piece.small_src:
+            piece.small.copy(list(map(tensors.__getitem__, piece.small_src)))
+        session._arrived.update(names[a:b])
+        session._num_bytes += piece.nbytes
+        session._replayed += b - a
+    if rec.announced is not session._announced and session._announced is not None:
+        rec.announced = session._announced  # every entry matched it: the next update announcing it skips that
+    return len(names)
 
 
-def _valid(session: Any, rec: ListReplay, names: tuple[str, ...],
-           items: Sequence[tuple[str, torch.Tensor]]) -> bool:
-    """Whether ``items`` are what ``rec`` recorded, announced as such, and none arrived before."""
-    views_get = session._views.get
+def _valid(session: Any, rec: ListReplay, names: tuple[str, ...], tensors: list[Any], a: int, b: int) -> bool:
+    """Whether ``tensors[a:b]`` (named ``names[a:b]``) are what ``rec`` recorded, announced as such, and
+    none arrived before."""
+    names, tensors = names[a:b], tensors[a:b]
+    # Identity of every cached entry (a rebuilt view is another object), then type, dtype, shape and
+    # device of every tensor, each as one C-level pass; the isinstance pass runs before any attribute
+    # is read.
+    if not all(map(is_, map(session._views.get, names), rec.entries[a:b])):
+        return False
+    if not all(map(isinstance, tensors, repeat(torch.Tensor))):
+        return False
+    if tuple(map(_dtype, tensors)) != rec.dtypes[a:b] or tuple(map(_shape, tensors)) != rec.shapes[a:b]:
+        return False
+    if set(map(_get_device, tensors)) != {rec.device}:
+        return False
     announced = session._announced
-    if announced is rec.announced:
-        announced = None  # what the list was recorded under: each entry is known to match it
-    device = rec.device
-    for (name, t), entry, shape, dtype in zip(items, rec.entries, rec.shapes, rec.dtypes):
-        if (views_get(name) is not entry or not isinstance(t, torch.Tensor) or t.dtype is not dtype
-                or t.shape != shape or t.get_device() != device):
-            return False
-        if announced is not None:
-            a = announced.get(name)
-            if a is None or a[1] is not dtype or a[0] != shape:
+    if announced is not None and announced is not rec.announced:  # else known to match (or none announced)
+        for name, t in zip(names, tensors):
+            want = announced.get(name)
+            if want is None or want[1] is not t.dtype or want[0] != t.shape:
                 return False
     return session._arrived.isdisjoint(names)

@@ -195,10 +195,15 @@ class UpdateSession(EndingSteps):
             listed = type(named_tensors) in (list, tuple)
             self._writes.carry_now = not listed
             names = list_names(named_tensors) if listed else ()  # type: ignore[arg-type]
-            if names and replay_list(self, named_tensors, names):  # type: ignore[arg-type]
-                # A list recorded at an earlier update, every key into a direct layer: written as one batch.
-                self._seconds["load"] += time.perf_counter() - t0
-                return
+            done = replay_list(self, named_tensors, names) if names else 0  # type: ignore[arg-type]
+            if done:
+                # A list recorded at an earlier update, every key into a direct layer: written in pieces.
+                if done == len(names):
+                    self._seconds["load"] += time.perf_counter() - t0
+                    return
+                # A piece failed its check: the per-key path loads the rest (and names what is wrong),
+                # without recording the remainder as a list of its own.
+                named_tensors, names = named_tensors[done:], ()  # type: ignore[index]
             if listed:
                 if not self._lenders_known:
                     # Banded layers need no staging at all, borrowed or not.

@@ -107,6 +107,9 @@ class ModelState:
     plan: Plan | None = None
     # The layout every full update covers; it grows with updates that announce more, never shrinks.
     reference: Manifest | None = None
+    # (reference, announced entries) last found equal at a commit: an update that announces the same
+    # ``Manifest.tensors`` object against the same reference needs no comparison at its commit.
+    reference_matched: tuple[Manifest, tuple[Any, ...]] | None = None
     # Torn: layers written by failed updates (neither rolled back nor rewritten by a committed update
     # since) and why. The model serves only while ``torn_layers`` is empty.
     torn: str | None = None

@@ -124,8 +124,11 @@ def lacking_from_reference(state: ModelState, plan: Plan, arrived: set[str]) -> 
     ref = state.reference
     if ref is None:
         return []
+    names = ref.names
+    if arrived.issuperset(names):  # the common case, one pass in C
+        return []
     lacking = []
-    for n in ref.names:
+    for n in names:
         if n not in arrived:
             kp = plan.keys.get(n)
             if kp is None or kp.mode != "ignored":

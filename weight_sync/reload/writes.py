@@ -3,8 +3,8 @@
 A reload's host time is mostly launches: a copy of a 3 MB expert slice costs ~8 us of host time in
 ``copy_`` for ~1 us of device time, a Triton quantization of it tens of microseconds. Writes into live
 tensors that nothing reads before the update ends can be queued and launched together instead: small
-copies as one ``torch._foreach_copy_`` (multi-tensor kernels), band quantizations as one grouped kernel
-per method and shape (``RowBands.quantize``). Big copies go out at once: their launch is cheap next to
+copies as one grouped launch (``grouped_copy.copy_many``), band quantizations as one grouped kernel per
+method and shape (``RowBands.quantize``). Big copies go out at once: their launch is cheap next to
 the copy, and the device starts on them while the host goes on.
 
 Every queued entry holds its source tensor, so its memory is not reused before the launch. The queue
@@ -28,6 +28,7 @@ from collections.abc import Callable
 import torch
 
 from weight_sync.quant.online import RowBands
+from weight_sync.reload.grouped_copy import copy_many
 
 __all__ = ["WriteQueue"]
 
@@ -174,7 +175,7 @@ class WriteQueue:
         self.targets = set()
         self.nbytes = 0
         if dst:
-            torch._foreach_copy_(dst, src)
+            copy_many(dst, src)
         for quantize, items in bands.items():
             quantize(items)
 
