@@ -119,16 +119,19 @@ class EndingSteps(UnitLayers):
             for hook in self.state.post_update_hooks:
                 hook(self.model)
             t1 = time.perf_counter()
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
             # Layers processed for the first time have new kernel tensors by design: not audited.
             fresh = tuple(f"{i.name}." if i.name else "" for i in self._first_processed)
             try:
+                # The audit reads tensor metadata only: it runs while the device still copies.
                 verify_baseline(self.model, self._baseline, fresh)
             except PointerChangedError:
                 self.state.views.clear()
                 raise
             t2 = time.perf_counter()
+            if self.device.type == "cuda":
+                # The update is done when its writes are (a kernel's error surfaces here, before commit).
+                torch.cuda.synchronize(self.device)
+            self._seconds["wait"] = time.perf_counter() - t2
             fp = fingerprint(self.model) if self.compute_fingerprint else None
         except BaseException as e:
             self._fail(e)
