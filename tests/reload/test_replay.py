@@ -20,6 +20,7 @@ from weight_sync import (
     record_metadata_for_reloading,
 )
 from weight_sync.engine import ReferenceEngine
+from weight_sync.reload.replay import ListReplay
 from weight_sync.reload.state import get_state
 from weight_sync.testing import assert_bitwise_equal, hf_config, random_weights
 
@@ -47,7 +48,7 @@ def _fresh(seed: int) -> ReferenceEngine:
 
 def _recorded(engine: ReferenceEngine, buckets: list[list[tuple[str, torch.Tensor]]]) -> bool:
     replays = get_state(engine.model).replays
-    return all(replays.get(tuple(n for n, _ in b)) is not None for b in buckets)
+    return all(isinstance(replays.get(tuple(n for n, _ in b)), ListReplay) for b in buckets)
 
 
 def test_repeated_buckets_are_recorded_once_and_replay_the_exact_weights() -> None:
@@ -153,7 +154,7 @@ def test_a_list_writing_one_place_twice_keeps_the_per_key_order_and_is_never_bat
             s.load(items)
         assert torch.equal(model.w, items[1][1])
         # One grouped copy would not order the two writes on a device: the list is not recorded.
-        assert get_state(model).replays[("a", "b")] is None
+        assert not isinstance(get_state(model).replays[("a", "b")], ListReplay)
 
 
 def _whole_list_update(engine: ReferenceEngine, items: list[tuple[str, torch.Tensor]],
@@ -223,3 +224,42 @@ def test_a_later_piece_repeating_a_key_already_loaded_is_refused_as_a_duplicate(
         s.load(items[-1:])  # the last key first ...
         s.load(items)  # ... then the recorded list: its last piece holds it again
     assert_bitwise_equal(engine.model, _fresh(1).model)
+
+
+@pytest.mark.parametrize(("arch", "quant"), [("qwen3", "fp8_per_channel"), ("qwen3", "fp8_block"),
+                                           ("qwen3_moe", "fp8_block")])  # MoE offers no per-channel fp8
+def test_a_list_into_band_quantized_layers_is_replayed_and_equals_a_fresh_quantized_load(arch, quant,
+                                                                                         small_pieces) -> None:
+    # Rows in multiples of 128: every q/k/v and gate/up band is whole 128x128 blocks, so fp8_block
+    # layers take the band path too.
+    cfg = hf_config(arch, "tiny", hidden_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+                    intermediate_size=256, moe_intermediate_size=128)
+
+    def weights(seed: int) -> list[tuple[str, torch.Tensor]]:
+        return [(n, t.contiguous()) for n, t in random_weights(cfg, seed=seed)]
+
+    def fresh(seed: int) -> ReferenceEngine:
+        return ReferenceEngine.from_config(cfg, weights=random_weights(cfg, seed=seed), quantization=quant,
+                                           use_cuda_graph=False)
+
+    engine = fresh(0)
+    for step, seed in enumerate((1, 2, 3, 1)):
+        items = weights(seed)
+        _whole_list_update(engine, items)
+        # The engine's first processing makes the kernel tensors the bands are written into: from the
+        # next update on the layers are band-quantized, and the list is recorded and then replayed.
+        rec = get_state(engine.model).replays.get(tuple(n for n, _ in items))
+        assert step < 2 or (isinstance(rec, ListReplay) and any(p.bands for p in rec.pieces)), step
+        assert_bitwise_equal(engine.model, fresh(seed).model)
+
+
+def test_a_list_into_per_tensor_scaled_layers_is_not_replayed_and_still_exact() -> None:
+    engine = ReferenceEngine.from_config(CFG, weights=random_weights(CFG, seed=0), quantization="fp8",
+                                         use_cuda_graph=False)
+    for seed in (1, 2):
+        items = _weights(seed)
+        _whole_list_update(engine, items)
+        assert not isinstance(get_state(engine.model).replays[tuple(n for n, _ in items)], ListReplay)
+        fresh = ReferenceEngine.from_config(CFG, weights=random_weights(CFG, seed=seed), quantization="fp8",
+                                            use_cuda_graph=False)
+        assert_bitwise_equal(engine.model, fresh.model)

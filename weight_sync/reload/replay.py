@@ -1,16 +1,18 @@
-"""A repeated list of keys into direct layers, written as one batch.
+"""A repeated list of keys into direct or band-quantized layers, written in a few batches.
 
 An RL loop sends the same keys in the same buckets at every step, and a bucket of a model with many
 small tensors (a MoE layer: 384 expert slices) spends most of its host time in the per-key checks and
 writes of ``UpdateSession.load`` (~3-5 us per name; the copies themselves are queued and launched
-together). When a list's keys all go into direct layers through the session's cached destination views
-(the hot path), the list is recorded as a :class:`ListReplay` the first time it loads cleanly: the
+together). When a list's keys all go through the session's cached destination views (the hot path) into direct
+layers or into layers quantized band by band (fp8 per-channel and 128x128 blocks: ``reload/bands.py``), the list is recorded as a :class:`ListReplay` the first time it loads cleanly: the
 destination of every key, the layout each key arrived in and the layers it writes, in pieces (of
 ``FIRST_PIECE_KEYS`` keys, doubling up to ``PIECE_KEYS``). The next time a list with the same names in the same order arrives, the session
 checks each piece's tensors against that record (a tensor, same shape, same dtype, same device), checks
 the manifest's announcement of them and that no key arrived earlier in the update, and only then writes
 the piece: big copies one by one, as the hot path launches them, the others in one grouped copy
-(``grouped_copy.CopyGroup``), which the device runs while the host checks the next piece. Anything else -
+(``grouped_copy.CopyGroup``), band quantizations as one grouped launch per method and shape - all of
+which the device runs while the host checks the next piece. Bands of one-scale matrices (per-tensor
+fp8) wait for each other across keys and are not recorded. Anything else -
 another layout, a name announced otherwise, a cached view rebuilt since (pointers moved), a duplicate -
 and the per-key path takes over from that piece on, which loads what is valid and raises the precise
 error for what is not. So every guarantee of the per-key path holds (manifest first, duplicates refused,
@@ -19,7 +21,7 @@ layers snapshotted before their first write); the record only skips the work tha
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 from operator import attrgetter, is_, itemgetter, methodcaller
@@ -27,6 +29,7 @@ from typing import Any
 
 import torch
 
+from weight_sync.reload.bands import band_target
 from weight_sync.reload.grouped_copy import CopyGroup
 from weight_sync.reload.plan import dst_view
 from weight_sync.reload.writes import SMALL_COPY_BYTES
@@ -42,6 +45,8 @@ _get_device = methodcaller("get_device")
 
 # Records kept per model (one per distinct bucket layout); beyond this the oldest half is dropped.
 MAX_RECORDS = 256
+# Clean loads of a list that may try to record it (the first may be its layers' first processing).
+RECORD_ATTEMPTS = 3
 # Keys per piece of a replayed list: each piece is checked, then written, while the device still copies
 # the previous one (a 6k-key MoE list is checked in ~3 ms of host time, written in ~10 ms of device time).
 # The first pieces are small, so the device starts early; later ones grow to PIECE_KEYS, so the fixed
@@ -61,6 +66,9 @@ class Piece:
     small_src: tuple[int, ...]  # ... and the index of each one's source
     layers: tuple[str, ...]  # the layers its keys write (snapshotted before the piece is written)
     nbytes: int
+    # Band quantizations into live kernel tensors (reload/bands.py), per quantize callable: (quantize,
+    # index of each source, its qweight rows, its scale rows); launched grouped, as the write queue does.
+    bands: tuple[tuple[Callable[..., None], tuple[int, ...], tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]], ...]
 
 
 @dataclass(eq=False, slots=True)
@@ -86,12 +94,16 @@ def record_list(session: Any, items: Sequence[tuple[str, torch.Tensor]], names: 
     """After ``items`` (named ``names``) loaded cleanly: record them for replay if every key went through
     the hot path."""
     records = session.state.replays
-    if names in records:
+    prev = records.get(names)
+    if isinstance(prev, ListReplay) or (prev is not None and prev >= RECORD_ATTEMPTS):
         return
-    if len(records) >= MAX_RECORDS:
+    if prev is None and len(records) >= MAX_RECORDS:
         for key in list(records)[: MAX_RECORDS // 2]:
             del records[key]
-    records[names] = None  # until proven otherwise: not replayable (the per-key path each time)
+    # Until proven otherwise: not replayable (the per-key path), counted as one more failed attempt.
+    # A list can fail for a reason of its update alone (its layers were processed for the first time,
+    # so no band path yet): it is tried again at the next clean load, up to RECORD_ATTEMPTS times.
+    records[names] = (prev or 0) + 1
     views = session._views
     entries, shapes, dtypes, pieces = [], [], [], []
     big: list[tuple[torch.Tensor, int]] = []
@@ -102,6 +114,8 @@ def record_list(session: Any, items: Sequence[tuple[str, torch.Tensor]], names: 
     device: int | None = None
     nbytes = start = 0
     size = min(FIRST_PIECE_KEYS, PIECE_KEYS)
+    bands: dict[Callable[..., None], tuple[list[int], list[torch.Tensor], list[torch.Tensor]]] = {}
+    banded = session._banded
     for i, (name, tensor) in enumerate(items):
         entry = views.get(name)
         if entry is None or not isinstance(tensor, torch.Tensor):
@@ -113,6 +127,24 @@ def record_list(session: Any, items: Sequence[tuple[str, torch.Tensor]], names: 
         if dev != device:
             return
         for op in kp.ops:
+            layer_bands = banded.get(op.layer) if banded else None
+            band = layer_bands.get(op.tensor) if layer_bands is not None else None
+            if band is not None:
+                # Quantized band by band into the live kernel tensors. Not recorded: one-scale matrices
+                # (their bands wait for each other), part of a key, or a source the band writer would
+                # first convert (another dtype than the model format's, another device).
+                info = session.state.layers[op.layer]
+                if band.matrix_rows or not op.src_whole or info.records[op.tensor].dtype is not tensor.dtype:
+                    return
+                q, sc = band_target(info, band, op)
+                if q.get_device() != device or q.data_ptr() in written:
+                    return
+                written.add(q.data_ptr())
+                idx, qs, ss = bands.setdefault(band.quantize, ([], [], []))
+                idx.append(i)
+                qs.append(q)
+                ss.append(sc)
+                continue
             base, staged = session._target(op)
             if base is None or staged or not op.src_whole:
                 return
@@ -133,8 +165,9 @@ def record_list(session: Any, items: Sequence[tuple[str, torch.Tensor]], names: 
         dtypes.append(tensor.dtype)
         nbytes += tensor.nbytes
         if i + 1 - start == size or i + 1 == len(items):
-            pieces.append(Piece(start, i + 1, tuple(big), CopyGroup(small), tuple(small_src), tuple(layers), nbytes))
-            big, small, small_src, layers, nbytes, start = [], [], [], {}, 0, i + 1
+            pieces.append(Piece(start, i + 1, tuple(big), CopyGroup(small), tuple(small_src), tuple(layers), nbytes,
+                                tuple((fn, tuple(idx), tuple(qs), tuple(ss)) for fn, (idx, qs, ss) in bands.items())))
+            big, small, small_src, layers, nbytes, start, bands = [], [], [], {}, 0, i + 1, {}
             size = min(2 * size, PIECE_KEYS)
     assert device is not None
     records[names] = ListReplay(tuple(entries), tuple(shapes), tuple(dtypes), device, tuple(pieces),
@@ -151,7 +184,7 @@ def replay_list(session: Any, items: Sequence[tuple[str, torch.Tensor]], names: 
     """
     records = session.state.replays
     rec = records.get(names)
-    if rec is None:
+    if not isinstance(rec, ListReplay):
         return 0
     tensors = list(map(_second, items))
     prepare = session._prepare
@@ -168,6 +201,14 @@ def replay_list(session: Any, items: Sequence[tuple[str, torch.Tensor]], names: 
             dst.copy_(tensors[i])
         if piece.small_src:
             piece.small.copy(list(map(tensors.__getitem__, piece.small_src)))
+        if piece.bands:
+            queued = session._writes.bands
+            for quantize, idx, qs, ss in piece.bands:
+                items_of = queued.get(quantize)
+                if items_of is None:
+                    items_of = queued[quantize] = []
+                items_of.extend(zip(map(tensors.__getitem__, idx), qs, ss))
+            session._writes.flush()  # one grouped launch per method and shape, while the host goes on
         session._arrived.update(names[a:b])
         session._num_bytes += piece.nbytes
         session._replayed += b - a
