@@ -89,6 +89,20 @@ for name, c in cases.items():
 quantize_fp8_matrices_grouped(matrices, FP8_MAX, _EPS)
 for name, bands in zip(names, matrices):
     out[name]["matrix"] = (torch.cat([q for _, q, _ in bands]), bands[0][2])
+# The same launches from a table made once for fixed targets (a replayed bucket list's path).
+from weight_sync.quant.fp8_grouped import GroupedBands
+by_dtype = {}
+for name, c in cases.items():
+    w = c["w"]
+    if c["granularity"] != "tensor" and w.numel() and w.is_contiguous():
+        by_dtype.setdefault((c["granularity"], c["block"], w.dtype), []).append(name)
+for (granularity, block, dtype), names in by_dtype.items():
+    targets = [(torch.empty_like(out[n]["q"]), torch.empty_like(out[n]["scale"])) for n in names]
+    ready = GroupedBands(targets, [tuple(cases[n]["w"].shape) for n in names], dtype, granularity, block,
+                         FP8_MAX, _EPS)
+    assert ready.launch([cases[n]["w"] for n in names])
+    for n, t in zip(names, targets):
+        out[n]["tabled"] = t
 torch.save(out, sys.argv[2])
 """
 
@@ -150,6 +164,31 @@ def test_the_grouped_kernel_quantizes_every_weight_of_one_launch_bitwise_like_th
     case, (q, s) = CASES[name], interpreted[name]["grouped"]
     ref_q, ref_s = quantize_fp8(case["w"], Fp8Config(granularity=case["granularity"], block_size=case["block"]))
     assert_same_bits(q, s, ref_q, ref_s, name)
+
+
+TABLED = [n for n, c in CASES.items() if c["granularity"] != "tensor" and c["w"].numel() and c["w"].is_contiguous()]
+
+
+@needs_triton
+@pytest.mark.parametrize("name", TABLED)
+def test_the_grouped_kernel_from_a_table_made_once_quantizes_bitwise_like_the_torch_path(name: str,
+                                                                                       interpreted) -> None:
+    case, (q, s) = CASES[name], interpreted[name]["tabled"]
+    ref_q, ref_s = quantize_fp8(case["w"], Fp8Config(granularity=case["granularity"], block_size=case["block"]))
+    assert_same_bits(q, s, ref_q, ref_s, name)
+
+
+def test_a_table_made_once_launches_nothing_for_a_strided_or_misaligned_source() -> None:
+    from weight_sync.quant.fp8 import _EPS, FP8_MAX
+    from weight_sync.quant.fp8_grouped import GroupedBands
+
+    q, s = torch.zeros(128, 256, dtype=torch.float8_e4m3fn), torch.zeros(1, 2)
+    ready = GroupedBands([(q, s)], [(128, 256)], torch.bfloat16, "block", (128, 128), FP8_MAX, _EPS)
+    wide = torch.randn(128, 512).to(torch.bfloat16)
+    flat = torch.randn(128 * 256 + 1).to(torch.bfloat16)
+    assert not ready.launch([wide[:, :256]])  # rows 1024 bytes apart, not 512: not contiguous
+    assert not ready.launch([flat[1:].view(128, 256)])  # 2 bytes past an aligned address
+    assert not q.view(torch.uint8).any() and not s.any()  # nothing was written
 
 
 MATRICES = [n for n, c in CASES.items() if c["granularity"] == "tensor" and c["w"].numel() and c["w"].stride(1) == 1]

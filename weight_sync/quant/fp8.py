@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,7 @@ __all__ = [
     "quantize_fp8",
     "quantize_fp8_bands",
     "quantize_fp8_matrix_bands",
+    "tabled_fp8_bands",
 ]
 
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
@@ -223,6 +224,25 @@ def quantize_fp8_bands(items: list[tuple[torch.Tensor, torch.Tensor, torch.Tenso
         write_band(q, s, quantize_fp8(w, config, None, out=(q, s)))
 
 
+def tabled_fp8_bands(targets: list[tuple[torch.Tensor, torch.Tensor]], shapes: list[tuple[int, int]],
+                     dtype: torch.dtype, config: Fp8Config) -> Any:
+    """:func:`quantize_fp8_bands` into fixed ``targets`` for sources of ``shapes`` and ``dtype``, made
+    ready once (a :class:`~weight_sync.quant.fp8_grouped.GroupedBands`), or None where the bands would
+    not all take the grouped kernel (off CUDA, no Triton, a configuration it does not take, a target
+    that is not contiguous)."""
+    if not (targets and targets[0][0].is_cuda and triton_available()
+            and fused_supported(config.granularity, config.block_size)):
+        return None
+    device = targets[0][0].device
+    if not all(q.is_contiguous() and s.is_contiguous() and q.device == device for q, s in targets):
+        return None
+    if any(n == 0 or k == 0 for n, k in shapes):
+        return None
+    from weight_sync.quant.fp8_grouped import GroupedBands
+
+    return GroupedBands(targets, shapes, dtype, config.granularity, config.block_size, FP8_MAX, _EPS)
+
+
 _PER_TENSOR = Fp8Config(granularity="tensor")
 
 
@@ -340,7 +360,7 @@ class Fp8LinearMethod(OnlineQuantLinearMethod):
             return RowBands(align=1, target=self._band_target, quantize=quantize_fp8_matrix_bands,
                             matrix_rows=shape[0])
         return RowBands(align=self.config.block_size[0] if granularity == "block" else 1,
-                        target=self._band_target, quantize=self.quantize_bands)
+                        target=self._band_target, quantize=self.quantize_bands, table=self.tabled_bands)
 
     def _band_target(self, layer: nn.Module, matrix: int, row: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         end = row + rows
@@ -354,6 +374,11 @@ class Fp8LinearMethod(OnlineQuantLinearMethod):
     def quantize_bands(self, items: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
         """Quantize each (src, q, s) into its views (one grouped launch on CUDA)."""
         quantize_fp8_bands(items, self.config)
+
+    def tabled_bands(self, targets: list[tuple[torch.Tensor, torch.Tensor]], shapes: list[tuple[int, int]],
+                     dtype: torch.dtype) -> Any:
+        """:meth:`quantize_bands` into fixed targets, made ready once (see :func:`tabled_fp8_bands`)."""
+        return tabled_fp8_bands(targets, shapes, dtype, self.config)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         q, scale = layer_tensor(layer, "weight"), layer_tensor(layer, "weight_scale")

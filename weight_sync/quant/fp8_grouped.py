@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from functools import reduce
+from operator import methodcaller, or_
 from typing import Any
 
 import torch
 
 from weight_sync.quant.fp8_triton import _f32_bits, _launch_device, fused_geometry, launch_table
 
-__all__ = ["quantize_fp8_grouped", "quantize_fp8_matrices_grouped"]
+__all__ = ["GroupedBands", "quantize_fp8_grouped", "quantize_fp8_matrices_grouped"]
 
 
 
@@ -138,6 +140,72 @@ def quantize_fp8_grouped(
             count, most = len(rows) // 12, max(rows[11::12])
             kernel[(most, count)](table, w0, q0, s0, eps_bits, fmax, BM=bm, BK=bk, PER_ROW=per_row,
                                   ONE_PASS=one_pass, ALIGNED=aligned, num_warps=warps, enable_fp_fusion=False)
+
+
+_data_ptr = methodcaller("data_ptr")
+_contiguous = methodcaller("is_contiguous")
+
+
+class GroupedBands:
+    """The launches of :func:`quantize_fp8_grouped` into fixed destinations, tabled once.
+
+    A replayed bucket list (``weight_sync.reload.replay``) quantizes the same bands into the same live
+    ``(q, s)`` views at every update; only the sources change. Everything of the launch table but the
+    source pointers - destination pointers, sizes, strides, scale groups, kernel shapes - is computed
+    here, once, for sources that are contiguous, 16-byte aligned and of ``dtype`` (what a trainer's
+    buckets hold). :meth:`launch` fills in the sources' pointers and launches, one kernel per shape as
+    :func:`quantize_fp8_grouped` would, the same bytes; it returns False, having launched nothing, when a
+    source is not contiguous or not aligned (the caller then quantizes them the general way).
+    """
+
+    __slots__ = ("device", "eps_bits", "fmax", "groups", "n")
+
+    def __init__(self, targets: Sequence[tuple[torch.Tensor, torch.Tensor]], shapes: Sequence[tuple[int, int]],
+                 dtype: torch.dtype, granularity: str, block_size: tuple[int, int], fmax: float, eps: float) -> None:
+        self.n = len(targets)
+        self.device = targets[0][0].device if targets else torch.device("cpu")
+        self.fmax = fmax
+        self.eps_bits = _f32_bits(eps)
+        rows: dict[tuple, tuple[list[int], list[int]]] = {}
+        for i, ((q, s), (n, k)) in enumerate(zip(targets, shapes, strict=True)):
+            g = fused_geometry(n, k, granularity, block_size)
+            aligned = q.data_ptr() % 16 == 0 and q.stride(0) % 16 == 0 and k % 16 == 0 and g.group_cols % 16 == 0
+            key = (g.bm, g.bk, g.per_row, g.chunks == 1, g.num_warps, dtype, aligned)
+            idx, table = rows.setdefault(key, ([], []))
+            idx.append(i)
+            table.extend((0, q.data_ptr(), s.data_ptr(), n, k, k, q.stride(0), g.group_rows, g.group_cols,
+                          g.col_groups, g.chunks, g.groups))
+        # (kernel shape key, item indices, [count, 12] host table with the source column zero, most groups)
+        # Per kernel shape: (key, its first item's index and (q, s) - they type the kernel's pointers -,
+        # its items' indices (None: all), the [count, 12] host table with the source column zero, the
+        # most scale groups of one of its weights).
+        self.groups = [(key, idx[0], targets[idx[0]], None if len(idx) == self.n else torch.tensor(idx, dtype=torch.int64),
+                        torch.tensor(table, dtype=torch.int64).view(-1, 12), max(table[11::12]))
+                       for key, (idx, table) in rows.items()]
+
+    def launch(self, srcs: Sequence[torch.Tensor]) -> bool:
+        """Quantize ``srcs[i]`` (of the shape and dtype given at construction) into target ``i``; False,
+        nothing launched, if a source is not contiguous or not 16-byte aligned."""
+        if len(srcs) != self.n:
+            raise ValueError(f"GroupedBands: {self.n} destinations, {len(srcs)} sources")
+        if not all(map(_contiguous, srcs)):
+            return False
+        ptrs = list(map(_data_ptr, srcs))
+        if reduce(or_, ptrs, 0) & 15:
+            return False
+        kernel = _kernel()
+        column = torch.tensor(ptrs, dtype=torch.int64)
+        with _launch_device(srcs[0]):
+            for key, i0, (q0, s0), idx, base, most in self.groups:
+                bm, bk, per_row, one_pass, warps, _, aligned = key
+                table = torch.empty(base.shape, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+                table.copy_(base)
+                table[:, 0] = column if idx is None else column[idx]
+                dev_table = table.to(self.device, non_blocking=True) if self.device.type == "cuda" else table
+                kernel[(most, base.shape[0])](dev_table, srcs[i0], q0, s0, self.eps_bits, self.fmax,
+                                         BM=bm, BK=bk, PER_ROW=per_row, ONE_PASS=one_pass, ALIGNED=aligned,
+                                         num_warps=warps, enable_fp_fusion=False)
+        return True
 
 
 # Tiles of the per-tensor kernels, as absmax_bits / tensor_cast (fp8_triton.py) use them.

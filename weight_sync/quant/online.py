@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -52,6 +53,10 @@ class RowBands:
     target: Callable[[nn.Module, int, int, int], tuple[torch.Tensor, torch.Tensor]]
     quantize: Callable[[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]], None]
     matrix_rows: int = 0
+    # ``table(targets, shapes, dtype)``: ``quantize`` into fixed ``(q, s)`` targets made ready once (an
+    # object whose ``launch(srcs, targets)`` quantizes and returns True, or False having done nothing),
+    # or None where the method has no such path here. A replayed bucket list uses it at every update.
+    table: Callable[..., Any] | None = None
 
 
 def write_band(q: torch.Tensor, s: torch.Tensor, result: tuple[torch.Tensor, torch.Tensor]) -> None:

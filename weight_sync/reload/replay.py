@@ -66,9 +66,11 @@ class Piece:
     small_src: tuple[int, ...]  # ... and the index of each one's source
     layers: tuple[str, ...]  # the layers its keys write (snapshotted before the piece is written)
     nbytes: int
-    # Band quantizations into live kernel tensors (reload/bands.py), per quantize callable: (quantize,
-    # index of each source, its qweight rows, its scale rows); launched grouped, as the write queue does.
-    bands: tuple[tuple[Callable[..., None], tuple[int, ...], tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]], ...]
+    # Band quantizations into live kernel tensors (reload/bands.py), per quantize callable and source
+    # dtype: (quantize, index of each source, its qweight rows, its scale rows, the method's launch made
+    # ready for these targets or None); launched grouped, as the write queue would.
+    bands: tuple[tuple[Callable[..., None], tuple[int, ...], tuple[torch.Tensor, ...], tuple[torch.Tensor, ...],
+                       Any], ...]
 
 
 @dataclass(eq=False, slots=True)
@@ -114,7 +116,8 @@ def record_list(session: Any, items: Sequence[tuple[str, torch.Tensor]], names: 
     device: int | None = None
     nbytes = start = 0
     size = min(FIRST_PIECE_KEYS, PIECE_KEYS)
-    bands: dict[Callable[..., None], tuple[list[int], list[torch.Tensor], list[torch.Tensor]]] = {}
+    bands: dict[tuple[Callable[..., None], torch.dtype],
+                tuple[list[int], list[torch.Tensor], list[torch.Tensor], list[tuple[int, int]], Any]] = {}
     banded = session._banded
     for i, (name, tensor) in enumerate(items):
         entry = views.get(name)
@@ -134,16 +137,18 @@ def record_list(session: Any, items: Sequence[tuple[str, torch.Tensor]], names: 
                 # (their bands wait for each other), part of a key, or a source the band writer would
                 # first convert (another dtype than the model format's, another device).
                 info = session.state.layers[op.layer]
-                if band.matrix_rows or not op.src_whole or info.records[op.tensor].dtype is not tensor.dtype:
+                if (band.matrix_rows or not op.src_whole or tensor.dim() != 2
+                        or info.records[op.tensor].dtype is not tensor.dtype):
                     return
                 q, sc = band_target(info, band, op)
                 if q.get_device() != device or q.data_ptr() in written:
                     return
                 written.add(q.data_ptr())
-                idx, qs, ss = bands.setdefault(band.quantize, ([], [], []))
+                idx, qs, ss, shapes_of, _ = bands.setdefault((band.quantize, tensor.dtype), ([], [], [], [], band.table))
                 idx.append(i)
                 qs.append(q)
                 ss.append(sc)
+                shapes_of.append((tensor.shape[0], tensor.shape[1]))
                 continue
             base, staged = session._target(op)
             if base is None or staged or not op.src_whole:
@@ -166,12 +171,19 @@ def record_list(session: Any, items: Sequence[tuple[str, torch.Tensor]], names: 
         nbytes += tensor.nbytes
         if i + 1 - start == size or i + 1 == len(items):
             pieces.append(Piece(start, i + 1, tuple(big), CopyGroup(small), tuple(small_src), tuple(layers), nbytes,
-                                tuple((fn, tuple(idx), tuple(qs), tuple(ss)) for fn, (idx, qs, ss) in bands.items())))
+                                tuple(_band_group(fn, dtype, *group) for (fn, dtype), group in bands.items())))
             big, small, small_src, layers, nbytes, start, bands = [], [], [], {}, 0, i + 1, {}
             size = min(2 * size, PIECE_KEYS)
     assert device is not None
     records[names] = ListReplay(tuple(entries), tuple(shapes), tuple(dtypes), device, tuple(pieces),
                                 session._announced)
+
+
+def _band_group(quantize: Callable[..., None], dtype: torch.dtype, idx: list[int], qs: list[torch.Tensor],
+                ss: list[torch.Tensor], shapes: list[tuple[int, int]], table: Any) -> tuple[Any, ...]:
+    """One entry of ``Piece.bands``: the method's launch is made ready here when it offers one."""
+    ready = table(list(zip(qs, ss)), shapes, dtype) if table is not None else None
+    return quantize, tuple(idx), tuple(qs), tuple(ss), ready
 
 
 def replay_list(session: Any, items: Sequence[tuple[str, torch.Tensor]], names: tuple[str, ...]) -> int:
@@ -203,12 +215,18 @@ def replay_list(session: Any, items: Sequence[tuple[str, torch.Tensor]], names: 
             piece.small.copy(list(map(tensors.__getitem__, piece.small_src)))
         if piece.bands:
             queued = session._writes.bands
-            for quantize, idx, qs, ss in piece.bands:
+            flush = False
+            for quantize, idx, qs, ss, ready in piece.bands:
+                srcs = list(map(tensors.__getitem__, idx))
+                if ready is not None and ready.launch(srcs):
+                    continue  # launched from the table made at the record: only the sources were read
                 items_of = queued.get(quantize)
                 if items_of is None:
                     items_of = queued[quantize] = []
-                items_of.extend(zip(map(tensors.__getitem__, idx), qs, ss))
-            session._writes.flush()  # one grouped launch per method and shape, while the host goes on
+                items_of.extend(zip(srcs, qs, ss))
+                flush = True
+            if flush:
+                session._writes.flush()  # one grouped launch per method and shape, while the host goes on
         session._arrived.update(names[a:b])
         session._num_bytes += piece.nbytes
         session._replayed += b - a

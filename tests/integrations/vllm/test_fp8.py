@@ -29,7 +29,13 @@ def _assert_bitwise_equal(ours: dict[str, torch.Tensor], theirs: dict[str, torch
     for name, t in theirs.items():
         o = ours[name]
         assert (o.dtype, tuple(o.shape), o.stride()) == (t.dtype, tuple(t.shape), t.stride()), name
-        assert torch.equal(o.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), name
+        assert torch.equal(_raw(o), _raw(t)), name
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``t`` in element order. Copied into a fresh tensor first: a size-1 dimension may
+    carry stride 0 (vLLM builds some scales by expanding), which ``view(torch.uint8)`` refuses."""
+    return torch.empty(t.shape, dtype=t.dtype).copy_(t).reshape(-1).view(torch.uint8)
 
 
 @pytest.fixture(scope="module")
