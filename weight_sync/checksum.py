@@ -138,10 +138,22 @@ def checksum_value(halves: tuple[int, int] | list[int] | torch.Tensor, nbytes: i
     return ((hi & _MASK32) << 32 | (lo & _MASK32)) ^ nbytes
 
 
+def raw_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes in element order as a 1-D uint8 tensor (a view where the layout allows).
+
+    ``contiguous()`` keeps the stride of a size-1 dimension, and a stride of 0 there (a scale built by
+    ``expand``, as vLLM does for some) is refused by the byte view: such a tensor is copied first.
+    """
+    flat = t.detach().contiguous().reshape(-1)
+    if flat.numel() and flat.stride(0) != 1:
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return flat.view(torch.uint8)
+
+
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
     """``t``'s bytes as a 1-D uint8 tensor that starts on a word boundary (a view 2 bytes into its
     storage is copied: its words cannot be viewed in place)."""
-    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    flat = raw_bytes(t)
     return flat.clone() if flat.storage_offset() % 4 else flat
 
 

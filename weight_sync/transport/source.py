@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from weight_sync.checksum import raw_bytes
 from weight_sync.errors import ManifestError, SourceError, WeightSyncError
 from weight_sync.manifest import TensorMeta, dtype_to_str
 
@@ -35,10 +36,7 @@ class Checked:
 
     def next_flat(self, index: int) -> torch.Tensor:
         """The next tensor as a flat uint8 view (made contiguous first if it is not)."""
-        t = self.next_tensor(index).detach()
-        if not t.is_contiguous():
-            t = t.contiguous()
-        return t.reshape(-1).view(torch.uint8)
+        return raw_bytes(self.next_tensor(index))
 
     def next_tensor(self, index: int) -> torch.Tensor:
         """The next tensor as the source yielded it, after checking it against the manifest."""

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from weight_sync.checksum import raw_bytes
 from weight_sync.errors import (
     DuplicateTensorError,
     LayoutMismatchError,
@@ -110,7 +111,7 @@ def share_weights(
                     f.write(b"\0" * pad)
                     offset += pad
                 host = tensor.detach().to("cpu").contiguous()
-                raw = host.reshape(-1).view(torch.uint8)
+                raw = raw_bytes(host)
                 if raw.numel():
                     f.write(raw.numpy().data)
                 metas.append(TensorMeta(name, host.dtype, tuple(host.shape)))
