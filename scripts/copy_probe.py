@@ -11,30 +11,12 @@ tensors). Diagnostic (no result file): prints device and wall time of each way a
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 
 import torch
+from profile_reload_gpu import cuda_ms as timed  # scripts/ is this script's first path entry
 
 from weight_sync.reload.grouped_copy import copy_many
-
-
-def timed(fn: Callable[[], None], repeats: int) -> tuple[float, float]:
-    """Median device (events) and wall ms of ``fn``."""
-    fn()
-    torch.cuda.synchronize()
-    dev, wall = [], []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        wall.append((time.perf_counter() - t0) * 1e3)
-        dev.append(a.elapsed_time(b))
-    return sorted(dev)[len(dev) // 2], sorted(wall)[len(wall) // 2]
 
 
 def main() -> None:
