@@ -175,7 +175,6 @@ class GroupedBands:
             idx.append(i)
             table.extend((0, q.data_ptr(), s.data_ptr(), n, k, k, q.stride(0), g.group_rows, g.group_cols,
                           g.col_groups, g.chunks, g.groups))
-        # (kernel shape key, item indices, [count, 12] host table with the source column zero, most groups)
         # Per kernel shape: (key, its first item's index and (q, s) - they type the kernel's pointers -,
         # its items' indices (None: all), the [count, 12] host table with the source column zero, the
         # most scale groups of one of its weights).

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from weight_sync.quant.fp8_triton import _launch_device, launch_table, triton_available
+from weight_sync.quant.fp8_triton import _launch_device, triton_available
 
 __all__ = ["CopyGroup", "copy_many"]
 
@@ -95,13 +95,7 @@ def _copy_grouped(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> N
         rows += (sp, dp, words)
         most = max(most, words)
     if rows:
-        kernel = _kernel()
-        chunks = -(-most // _CHUNK)
-        with _launch_device(first):
-            for i in range(0, len(rows), 3 * _MAX_GROUP):
-                part = rows[i:i + 3 * _MAX_GROUP]
-                table = launch_table(part, device)
-                kernel[(chunks, len(part) // 3)](table, CHUNK=_CHUNK, BLOCK=_BLOCK, VEC=vec, num_warps=4)
+        _launch(torch.tensor(rows, dtype=torch.int64).view(-1, 3), -(-most // _CHUNK), vec, first)
     if rest_dst:
         torch._foreach_copy_(rest_dst, rest_src)
 
@@ -119,20 +113,19 @@ class CopyGroup:
     ``torch._foreach_copy_`` like :func:`copy_many`'s rest.
     """
 
-    __slots__ = ("chunks", "device", "dst", "vec", "words")
+    __slots__ = ("chunks", "dst", "vec", "words")
 
     def __init__(self, dst: Sequence[torch.Tensor]) -> None:
         self.dst = list(dst)
         self.words: torch.Tensor | None = None  # [n, 2] int64: (dst pointer, words), when launchable
-        self.device = dst[0].device if dst else torch.device("cpu")
         self.vec = False
         self.chunks = 0
         if not (dst and dst[0].is_cuda and triton_available()):
             return
-        dtype = dst[0].dtype
+        dtype, device = dst[0].dtype, dst[0].device
         ptrs = list(map(_data_ptr, self.dst))
         sizes = [d.nbytes for d in self.dst]
-        if not all(d.dtype is dtype and d.device == self.device and d.is_contiguous() for d in self.dst):
+        if not all(d.dtype is dtype and d.device == device and d.is_contiguous() for d in self.dst):
             return
         flags = 0
         for p, n in zip(ptrs, sizes):
@@ -156,11 +149,22 @@ class CopyGroup:
         if low & 3:
             torch._foreach_copy_(self.dst, list(src))
             return
-        table = torch.empty((len(self.dst), 3), dtype=torch.int64, pin_memory=True)
+        table = torch.empty((len(self.dst), 3), dtype=torch.int64, pin_memory=True)  # words: CUDA only
         table[:, 0] = torch.tensor(ptrs, dtype=torch.int64)
         table[:, 1:] = words
-        with _launch_device(self.dst[0]):
-            for i in range(0, len(self.dst), _MAX_GROUP):
-                part = table[i:i + _MAX_GROUP].to(self.device, non_blocking=True)
-                _kernel()[(self.chunks, part.shape[0])](part, CHUNK=_CHUNK, BLOCK=_BLOCK,
-                                                         VEC=self.vec and not low & 15, num_warps=4)
+        _launch(table, self.chunks, self.vec and not low & 15, self.dst[0])
+
+
+def _launch(table: torch.Tensor, chunks: int, vec: bool, first: torch.Tensor) -> None:
+    """Launch the copy kernel over a host table ``[n, 3]`` of (src, dst, words), at most _MAX_GROUP
+    tensors per launch, on ``first``'s device (CPU only under ``TRITON_INTERPRET=1``)."""
+    kernel = _kernel()
+    on_cuda = first.is_cuda
+    if on_cuda and not table.is_pinned():
+        table = table.pin_memory()  # copied to the device without waiting, in stream order
+    with _launch_device(first):
+        for i in range(0, table.shape[0], _MAX_GROUP):
+            part = table[i:i + _MAX_GROUP]
+            if on_cuda:
+                part = part.to(first.device, non_blocking=True)
+            kernel[(chunks, part.shape[0])](part, CHUNK=_CHUNK, BLOCK=_BLOCK, VEC=vec, num_warps=4)

@@ -3,20 +3,22 @@
 An RL loop sends the same keys in the same buckets at every step, and a bucket of a model with many
 small tensors (a MoE layer: 384 expert slices) spends most of its host time in the per-key checks and
 writes of ``UpdateSession.load`` (~3-5 us per name; the copies themselves are queued and launched
-together). When a list's keys all go through the session's cached destination views (the hot path) into direct
-layers or into layers quantized band by band (fp8 per-channel and 128x128 blocks: ``reload/bands.py``), the list is recorded as a :class:`ListReplay` the first time it loads cleanly: the
-destination of every key, the layout each key arrived in and the layers it writes, in pieces (of
-``FIRST_PIECE_KEYS`` keys, doubling up to ``PIECE_KEYS``). The next time a list with the same names in the same order arrives, the session
-checks each piece's tensors against that record (a tensor, same shape, same dtype, same device), checks
-the manifest's announcement of them and that no key arrived earlier in the update, and only then writes
-the piece: big copies one by one, as the hot path launches them, the others in one grouped copy
-(``grouped_copy.CopyGroup``), band quantizations as one grouped launch per method and shape - all of
-which the device runs while the host checks the next piece. Bands of one-scale matrices (per-tensor
-fp8) wait for each other across keys and are not recorded. Anything else -
-another layout, a name announced otherwise, a cached view rebuilt since (pointers moved), a duplicate -
-and the per-key path takes over from that piece on, which loads what is valid and raises the precise
-error for what is not. So every guarantee of the per-key path holds (manifest first, duplicates refused,
-layers snapshotted before their first write); the record only skips the work that repeats.
+together). When a list's keys all go through the session's cached destination views (the hot path)
+into direct layers or into layers quantized band by band (fp8 per-channel and 128x128 blocks:
+``reload/bands.py``), the list is recorded as a :class:`ListReplay` the first time it loads cleanly:
+the destination of every key, the layout each key arrived in and the layers it writes, in pieces (of
+``FIRST_PIECE_KEYS`` keys, doubling up to ``PIECE_KEYS``). The next time a list with the same names in
+the same order arrives, the session checks each piece's tensors against that record (a tensor, same
+shape, same dtype, same device), checks the manifest's announcement of them and that no key arrived
+earlier in the update, and only then writes the piece: big copies one by one, as the hot path launches
+them, the others in one grouped copy (``grouped_copy.CopyGroup``), band quantizations as one grouped
+launch per method and shape - all of which the device runs while the host checks the next piece. Bands
+of one-scale matrices (per-tensor fp8) wait for each other across keys and are not recorded. Anything
+else - another layout, a name announced otherwise, a cached view rebuilt since (pointers moved), a
+duplicate - and the per-key path takes over from that piece on, which loads what is valid and raises
+the precise error for what is not. So every guarantee of the per-key path holds (manifest first,
+duplicates refused, layers snapshotted before their first write); the record only skips the work that
+repeats.
 """
 
 from __future__ import annotations

@@ -197,7 +197,7 @@ class UpdateSession(EndingSteps):
             names = list_names(named_tensors) if listed else ()  # type: ignore[arg-type]
             done = replay_list(self, named_tensors, names) if names else 0  # type: ignore[arg-type]
             if done:
-                # A list recorded at an earlier update, every key into a direct layer: written in pieces.
+                # A list recorded at an earlier update (direct and band-quantized layers): written in pieces.
                 if done == len(names):
                     self._seconds["load"] += time.perf_counter() - t0
                     return

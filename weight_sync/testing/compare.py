@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from weight_sync.checksum import raw_bytes
 from weight_sync.layers.tensors import iter_graph_visible_tensors
 
 __all__ = ["assert_bitwise_equal", "bitwise_equal", "kernel_tensors"]
@@ -19,13 +20,7 @@ def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Same dtype, shape and bytes (NaNs with equal bits compare equal)."""
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
-    return torch.equal(_raw(a), _raw(b))
-
-
-def _raw(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of ``t`` in element order, on host. Copied into a fresh tensor: ``contiguous()`` keeps
-    a size-1 dimension's stride, and a stride of 0 there (an expanded scale) is refused by the byte view."""
-    return torch.empty(t.shape, dtype=t.dtype).copy_(t.detach()).reshape(-1).view(torch.uint8)
+    return torch.equal(raw_bytes(a.detach().cpu()), raw_bytes(b.detach().cpu()))
 
 
 def assert_bitwise_equal(actual: nn.Module, expected: nn.Module) -> None:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests.integrations.vllm.conftest import driver_model, greedy, start_llm, stop_llm
+from weight_sync.checksum import raw_bytes
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
@@ -29,13 +30,8 @@ def _assert_bitwise_equal(ours: dict[str, torch.Tensor], theirs: dict[str, torch
     for name, t in theirs.items():
         o = ours[name]
         assert (o.dtype, tuple(o.shape), o.stride()) == (t.dtype, tuple(t.shape), t.stride()), name
-        assert torch.equal(_raw(o), _raw(t)), name
-
-
-def _raw(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of ``t`` in element order. Copied into a fresh tensor first: a size-1 dimension may
-    carry stride 0 (vLLM builds some scales by expanding), which ``view(torch.uint8)`` refuses."""
-    return torch.empty(t.shape, dtype=t.dtype).copy_(t).reshape(-1).view(torch.uint8)
+        # raw_bytes copies a scale whose size-1 dimension has stride 0 (vLLM expands some).
+        assert torch.equal(raw_bytes(o), raw_bytes(t)), name
 
 
 @pytest.fixture(scope="module")
