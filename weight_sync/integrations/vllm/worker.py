@@ -92,6 +92,13 @@ class WeightSyncWorkerMixin:
         return opts if opts is not None else WeightSyncOptions()
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            from weight_sync.integrations.vllm.cpu_fp8 import request_amx_tile_state
+
+            # Before any forward: vLLM's AMX fp8 kernels need the process's tile state (see there).
+            request_amx_tile_state()
         if self.ws_options.cpu_fp8_fallback:
             from weight_sync.integrations.vllm.cpu_fp8 import install_cpu_fp8_fallback
 
