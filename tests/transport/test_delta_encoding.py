@@ -134,3 +134,28 @@ def test_a_payload_with_a_repeated_index_offset_is_refused_before_any_write() ->
     with pytest.raises(LayoutMismatchError, match="repeat"):
         apply_delta_(target, enc)
     assert torch.equal(target, base)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    dtype=st.sampled_from(DTYPES),
+    pattern=st.sampled_from(PATTERNS),
+    numel=st.integers(0, 5000),
+    chunk_elems=st.sampled_from([8, 64, 1024, 1 << 16]),
+    density=st.floats(0.0, 0.3),
+    seed=st.integers(0, 2**16),
+)
+def test_the_cpu_encoder_writes_the_same_bytes_as_the_torch_encoder_cuda_senders_run(
+    dtype: torch.dtype, pattern: str, numel: int, chunk_elems: int, density: float, seed: int
+) -> None:
+    # A CPU sender (numpy) and a CUDA sender (torch ops) must put the same bytes on the wire: receivers
+    # decode either, and a sender may move between them.
+    from weight_sync.transport.delta import _encode_torch, encode_delta_with_positions
+
+    base = torch.randn(numel, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    new = _changed(base, pattern, seed + 1, density)
+    enc, pos = encode_delta_with_positions(new, base, chunk_elems=chunk_elems)
+    ints = _INT[dtype.itemsize]
+    enc_t, pos_t = _encode_torch(new.view(ints), base.view(ints), chunk_elems, dtype.itemsize)
+    assert torch.equal(enc, enc_t)
+    assert torch.equal(pos, pos_t)
