@@ -159,3 +159,52 @@ def test_the_cpu_encoder_writes_the_same_bytes_as_the_torch_encoder_cuda_senders
     enc_t, pos_t = _encode_torch(new.view(ints), base.view(ints), chunk_elems, dtype.itemsize)
     assert torch.equal(enc, enc_t)
     assert torch.equal(pos, pos_t)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    dtype=st.sampled_from(DTYPES),
+    pattern=st.sampled_from(PATTERNS),
+    numel=st.integers(1, 5000),
+    chunk_elems=st.sampled_from([8, 64, 1024, 1 << 16]),
+    density=st.floats(0.0, 0.3),
+    seed=st.integers(0, 2**16),
+)
+def test_the_torch_decoder_cuda_receivers_run_finds_the_positions_the_cpu_decoder_finds(
+    dtype: torch.dtype, pattern: str, numel: int, chunk_elems: int, density: float, seed: int
+) -> None:
+    from weight_sync.transport.delta import _parse, _sparse_positions_cpu, _sparse_positions_torch
+
+    base = torch.randn(numel, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    enc = encode_delta(_changed(base, pattern, seed + 1, density), base, chunk_elems=chunk_elems)
+    parsed = _parse(enc, numel, dtype)
+    for ours, theirs in zip(_sparse_positions_torch(parsed, numel, torch.device("cpu")),
+                            _sparse_positions_cpu(parsed, numel)):
+        assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("decoder", ["cpu", "torch"])
+def test_both_decoders_refuse_repeated_offsets_and_positions_beyond_the_tensor(decoder: str) -> None:
+    from weight_sync.transport.delta import _parse, _sparse_positions_cpu, _sparse_positions_torch
+
+    def positions(enc: torch.Tensor, numel: int) -> None:
+        parsed = _parse(enc, numel, torch.float32)
+        if decoder == "cpu":
+            _sparse_positions_cpu(parsed, numel)
+        else:
+            _sparse_positions_torch(parsed, numel, torch.device("cpu"))
+
+    base = torch.zeros(100)
+    new = base.clone()
+    new[[3, 40]] = 1.0  # one index chunk: int16 offsets at bytes 24..28 (header 16 + table 8)
+    enc = encode_delta(new, base)
+    repeated = enc.clone()
+    repeated[26:28] = repeated[24:26]  # offset 40 -> 3
+    with pytest.raises(LayoutMismatchError, match="repeat"):
+        positions(repeated, 100)
+    beyond = enc.clone()
+    beyond[26:28] = torch.tensor([99 - 32768], dtype=torch.int16).view(torch.uint8)  # offset 40 -> 99 (of 100)
+    positions(beyond, 100)  # the last element: fine
+    beyond[26:28] = torch.tensor([100 - 32768], dtype=torch.int16).view(torch.uint8)
+    with pytest.raises(LayoutMismatchError, match="beyond"):
+        positions(beyond, 100)

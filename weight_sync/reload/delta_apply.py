@@ -201,11 +201,13 @@ def _select(t: Target, pos: torch.Tensor, vals: torch.Tensor) -> tuple[torch.Ten
         return pos, vals
     q = pos - t.src_offset
     if t.rows == 1:
-        keep = (q >= 0) & (q < t.cols)
-        return q[keep], vals[keep]
-    r, c = q // t.src_row_stride, q % t.src_row_stride
-    keep = (q >= 0) & (r < t.rows) & (c < t.cols)
-    return (r * t.cols + c)[keep], vals[keep]
+        keep, at = (q >= 0) & (q < t.cols), q
+    else:
+        r, c = q // t.src_row_stride, q % t.src_row_stride
+        keep, at = (q >= 0) & (r < t.rows) & (c < t.cols), r * t.cols + c
+    # One nonzero for both selections (on CUDA each boolean index is a device sync).
+    sel = keep.nonzero().view(-1)
+    return at.index_select(0, sel), vals.index_select(0, sel)
 
 
 def _as_int(t: torch.Tensor) -> torch.Tensor:

@@ -344,10 +344,13 @@ def _parse(payload: torch.Tensor, numel: int, dtype: torch.dtype) -> _Parsed:
         raise LayoutMismatchError(
             f"delta payload must be a 1-D uint8 tensor of at least 16 bytes, got {tuple(payload.shape)} {payload.dtype}"
         )
-    # The header and table are the only host reads: a few bytes per chunk.
+    # The header and table are the only host reads: a few bytes per chunk, in one read (one device
+    # sync on CUDA) when the encoding uses the default chunk size, else two.
     # Read through numpy: a handful of small-array operations per tensor, each far cheaper than
     # torch's per-call overhead (this runs for every tensor of every delta).
-    magic, chunk_elems, num_chunks, item = payload[:16].cpu().numpy().view(np.int32).tolist()
+    guess = 16 + 8 * -(-numel // DEFAULT_CHUNK_ELEMS)
+    head = payload[: min(guess, payload.numel())].cpu().numpy()
+    magic, chunk_elems, num_chunks, item = head[:16].view(np.int32).tolist()
     item_want = dtype.itemsize
     if magic != MAGIC or item != item_want or chunk_elems < 8 or num_chunks != -(-numel // chunk_elems):
         raise LayoutMismatchError(
@@ -358,7 +361,8 @@ def _parse(payload: torch.Tensor, numel: int, dtype: torch.dtype) -> _Parsed:
     table_bytes = num_chunks * 8
     if payload.numel() < pos + table_bytes:
         raise LayoutMismatchError(f"delta payload: {payload.numel()} bytes cannot hold a table of {num_chunks} chunks")
-    table = payload[pos : pos + table_bytes].cpu().numpy().view(np.int32).reshape(num_chunks, 2).astype(np.int64)
+    raw = head[pos : pos + table_bytes] if head.size >= pos + table_bytes else payload[pos : pos + table_bytes].cpu().numpy()
+    table = raw.view(np.int32).reshape(num_chunks, 2).astype(np.int64)
     pos += _align8(table_bytes)
     form_np, counts_np = table[:, 0], table[:, 1]
     is_pl = form_np == FORM_PLAIN
@@ -397,6 +401,12 @@ def _sparse_positions(p: _Parsed, numel: int, dev: torch.device) -> tuple[torch.
     order (the order of their values in the sparse region), checked against the region and the tensor."""
     if dev.type == "cpu":
         return _sparse_positions_cpu(p, numel)
+    return _sparse_positions_torch(p, numel, dev)
+
+
+def _sparse_positions_torch(p: _Parsed, numel: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_sparse_positions` in torch operations on ``dev`` (CUDA; the CPU path decodes the same
+    positions in numpy)."""
     ce = p.chunk_elems
     bitmask, offsets, sparse, _ = p.regions
     bpos = ipos = torch.empty(0, dtype=torch.int64, device=dev)
@@ -407,21 +417,30 @@ def _sparse_positions(p: _Parsed, numel: int, dev: torch.device) -> tuple[torch.
         hit = ((bitmask.view(-1, 1) & _BITS.to(dev)) != 0).view(-1).nonzero().reshape(-1)
         c, within = _divmod(hit, ce)
         bpos = bm_chunks[c] * ce + within
+    # The checks of the decoded positions, read back together: one device sync for all of them.
+    flags: list[torch.Tensor] = []
     if offsets.numel():
         chunks = (p.form == FORM_INDEX).nonzero().reshape(-1)
         off = _unpack_offsets(offsets, ce)
-        if ce < 1 << 16 and bool((off >= ce).any()):  # int16 offsets cannot exceed a 64 Ki chunk
-            raise LayoutMismatchError(f"delta payload: an index offset is outside its chunk of {ce} elements")
+        if ce < 1 << 16:  # int16 offsets cannot exceed a 64 Ki chunk (the default size): nothing to check there
+            flags.append((off >= ce).any())
         ipos = chunks.repeat_interleave(p.counts[chunks]).to(dev) * ce + off
         # Offsets must increase inside a chunk (a repeat would write one element twice).
-        if ipos.numel() > 1 and bool((ipos[1:] <= ipos[:-1]).any()):
-            raise LayoutMismatchError("delta payload: index offsets repeat or are out of order")
+        if ipos.numel() > 1:
+            flags.append((ipos[1:] <= ipos[:-1]).any())
     if bpos.numel() + ipos.numel() != sparse.numel():
         raise LayoutMismatchError(
             f"delta payload: {bpos.numel() + ipos.numel()} changed positions but {sparse.numel()} values"
         )
-    for part in (bpos, ipos):
-        if part.numel() and int(part[-1]) >= numel:
+    beyond = [part[-1] >= numel for part in (bpos, ipos) if part.numel()]
+    if flags or beyond:
+        found = torch.stack(flags + beyond).tolist()
+        if any(found[: len(flags)]):
+            # Which check failed, for the message (only on the error path).
+            if ce < 1 << 16 and bool((off >= ce).any()):
+                raise LayoutMismatchError(f"delta payload: an index offset is outside its chunk of {ce} elements")
+            raise LayoutMismatchError("delta payload: index offsets repeat or are out of order")
+        if any(found[len(flags) :]):
             raise LayoutMismatchError(f"delta payload: a changed position lies beyond the tensor's {numel} elements")
     return bpos, ipos
 
