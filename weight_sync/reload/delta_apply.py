@@ -386,7 +386,12 @@ class InPlaceUpdate:
             else:
                 known[id(t)] = c[3]
         if moved:
-            sums = torch.stack([m[2].to("cpu") for m in moved]).tolist()  # one read-back per update
+            # One read-back per update and device (each .to("cpu") of its own would be a device sync).
+            sums = [[0, 0]] * len(moved)
+            for dev in {m[2].device for m in moved}:
+                at = [i for i, m in enumerate(moved) if m[2].device == dev]
+                for i, pair in zip(at, torch.stack([moved[i][2] for i in at]).tolist()):
+                    sums[i] = pair
             for (t, value, _), (d_plain, d_weighted) in zip(moved, sums):
                 nbytes = t.numel() * t.element_size()
                 halves = value ^ nbytes
