@@ -50,8 +50,14 @@ def _changed(base: torch.Tensor, pattern: str, seed: int, density: float) -> tor
     return new
 
 
-@settings(max_examples=60, deadline=None)
-@given(
+def _pair(dtype: torch.dtype, pattern: str, numel: int, density: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random base of ``numel`` elements and a copy of it changed by ``pattern``."""
+    base = torch.randn(numel, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    return base, _changed(base, pattern, seed + 1, density)
+
+
+# Random change patterns over tensors of every size, chunk size and dtype (one strategy, many tests).
+random_changes = given(
     dtype=st.sampled_from(DTYPES),
     pattern=st.sampled_from(PATTERNS),
     numel=st.integers(0, 5000),
@@ -59,11 +65,14 @@ def _changed(base: torch.Tensor, pattern: str, seed: int, density: float) -> tor
     density=st.floats(0.0, 0.3),
     seed=st.integers(0, 2**16),
 )
+
+
+@settings(max_examples=60, deadline=None)
+@random_changes
 def test_applying_an_encoding_to_its_base_gives_the_new_tensor_bit_for_bit(
     dtype: torch.dtype, pattern: str, numel: int, chunk_elems: int, density: float, seed: int
 ) -> None:
-    base = torch.randn(numel, generator=torch.Generator().manual_seed(seed)).to(dtype)
-    new = _changed(base, pattern, seed + 1, density)
+    base, new = _pair(dtype, pattern, numel, density, seed)
     enc = encode_delta(new, base, chunk_elems=chunk_elems)
     target = base.clone()
     positions = apply_delta_(target, enc)
@@ -137,14 +146,7 @@ def test_a_payload_with_a_repeated_index_offset_is_refused_before_any_write() ->
 
 
 @settings(max_examples=60, deadline=None)
-@given(
-    dtype=st.sampled_from(DTYPES),
-    pattern=st.sampled_from(PATTERNS),
-    numel=st.integers(0, 5000),
-    chunk_elems=st.sampled_from([8, 64, 1024, 1 << 16]),
-    density=st.floats(0.0, 0.3),
-    seed=st.integers(0, 2**16),
-)
+@random_changes
 def test_the_cpu_encoder_writes_the_same_bytes_as_the_torch_encoder_cuda_senders_run(
     dtype: torch.dtype, pattern: str, numel: int, chunk_elems: int, density: float, seed: int
 ) -> None:
@@ -152,8 +154,7 @@ def test_the_cpu_encoder_writes_the_same_bytes_as_the_torch_encoder_cuda_senders
     # decode either, and a sender may move between them.
     from weight_sync.transport.delta import _encode_torch, encode_delta_with_positions
 
-    base = torch.randn(numel, generator=torch.Generator().manual_seed(seed)).to(dtype)
-    new = _changed(base, pattern, seed + 1, density)
+    base, new = _pair(dtype, pattern, numel, density, seed)
     enc, pos = encode_delta_with_positions(new, base, chunk_elems=chunk_elems)
     ints = _INT[dtype.itemsize]
     enc_t, pos_t = _encode_torch(new.view(ints), base.view(ints), chunk_elems, dtype.itemsize)
@@ -162,21 +163,14 @@ def test_the_cpu_encoder_writes_the_same_bytes_as_the_torch_encoder_cuda_senders
 
 
 @settings(max_examples=60, deadline=None)
-@given(
-    dtype=st.sampled_from(DTYPES),
-    pattern=st.sampled_from(PATTERNS),
-    numel=st.integers(1, 5000),
-    chunk_elems=st.sampled_from([8, 64, 1024, 1 << 16]),
-    density=st.floats(0.0, 0.3),
-    seed=st.integers(0, 2**16),
-)
+@random_changes
 def test_the_torch_decoder_cuda_receivers_run_finds_the_positions_the_cpu_decoder_finds(
     dtype: torch.dtype, pattern: str, numel: int, chunk_elems: int, density: float, seed: int
 ) -> None:
     from weight_sync.transport.delta import _parse, _sparse_positions_cpu, _sparse_positions_torch
 
-    base = torch.randn(numel, generator=torch.Generator().manual_seed(seed)).to(dtype)
-    enc = encode_delta(_changed(base, pattern, seed + 1, density), base, chunk_elems=chunk_elems)
+    base, new = _pair(dtype, pattern, numel, density, seed)
+    enc = encode_delta(new, base, chunk_elems=chunk_elems)
     parsed = _parse(enc, numel, dtype)
     for ours, theirs in zip(_sparse_positions_torch(parsed, numel, torch.device("cpu")),
                             _sparse_positions_cpu(parsed, numel)):
