@@ -171,11 +171,6 @@ def _check_pair(new: torch.Tensor, base: torch.Tensor) -> None:
 
 def _changed_positions(vals: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     """Sorted flat positions where two integer views differ: one compare pass and one nonzero."""
-    if vals.device.type == "cpu":
-        # numpy's compare and flatnonzero run ~2x faster than torch's CPU kernels on one thread
-        # (measured on 24.6 Mi bf16 at 2% changed: 53-62 ms vs 88-129 ms on the loaded 2-core host;
-        # comparing 8-byte words first and splitting the changed ones was slower again, 96-137 ms).
-        return torch.from_numpy(np.flatnonzero(vals.detach().numpy() != old.detach().numpy()))
     return torch.nonzero(vals != old).reshape(-1)
 
 
@@ -294,6 +289,9 @@ def _encode_cpu(vals: np.ndarray, old: np.ndarray, ce: int, item: int) -> tuple[
     than the compare pass itself on CPU (measured 0.4 vs 0.15 ms per tensor of a 91-tensor model)."""
     numel = vals.size
     num_chunks = -(-numel // ce)
+    # numpy's compare and flatnonzero run ~2x faster than torch's CPU kernels on one thread (measured
+    # on 24.6 Mi bf16 at 2% changed: 53-62 ms vs 88-129 ms on the loaded 2-core host; comparing 8-byte
+    # words first and splitting the changed ones was slower again, 96-137 ms).
     mask = vals != old
     pos = np.flatnonzero(mask)  # sorted: element order
     counts = np.diff(np.searchsorted(pos, np.arange(num_chunks + 1, dtype=np.int64) * ce))
@@ -436,30 +434,26 @@ def _sparse_positions_torch(p: _Parsed, numel: int, dev: torch.device) -> tuple[
         c, within = _divmod(hit, ce)
         bpos = bm_chunks[c] * ce + within
     # The checks of the decoded positions, read back together: one device sync for all of them.
-    flags: list[torch.Tensor] = []
+    checks: list[tuple[torch.Tensor, str]] = []
     if offsets.numel():
         chunks = (p.form == FORM_INDEX).nonzero().reshape(-1)
         off = _unpack_offsets(offsets, ce)
         if ce < 1 << 16:  # int16 offsets cannot exceed a 64 Ki chunk (the default size): nothing to check there
-            flags.append((off >= ce).any())
+            checks.append(((off >= ce).any(), f"an index offset is outside its chunk of {ce} elements"))
         ipos = _to(chunks.repeat_interleave(p.counts[chunks]), dev) * ce + off
         # Offsets must increase inside a chunk (a repeat would write one element twice).
         if ipos.numel() > 1:
-            flags.append((ipos[1:] <= ipos[:-1]).any())
+            checks.append(((ipos[1:] <= ipos[:-1]).any(), "index offsets repeat or are out of order"))
     if bpos.numel() + ipos.numel() != sparse.numel():
         raise LayoutMismatchError(
             f"delta payload: {bpos.numel() + ipos.numel()} changed positions but {sparse.numel()} values"
         )
-    beyond = [part[-1] >= numel for part in (bpos, ipos) if part.numel()]
-    if flags or beyond:
-        found = torch.stack(flags + beyond).tolist()
-        if any(found[: len(flags)]):
-            # Which check failed, for the message (only on the error path).
-            if ce < 1 << 16 and bool((off >= ce).any()):
-                raise LayoutMismatchError(f"delta payload: an index offset is outside its chunk of {ce} elements")
-            raise LayoutMismatchError("delta payload: index offsets repeat or are out of order")
-        if any(found[len(flags) :]):
-            raise LayoutMismatchError(f"delta payload: a changed position lies beyond the tensor's {numel} elements")
+    checks += [(part[-1] >= numel, f"a changed position lies beyond the tensor's {numel} elements")
+               for part in (bpos, ipos) if part.numel()]
+    if checks:
+        for failed, (_, message) in zip(torch.stack([c for c, _ in checks]).tolist(), checks):
+            if failed:
+                raise LayoutMismatchError(f"delta payload: {message}")
     return bpos, ipos
 
 
