@@ -250,8 +250,9 @@ def _markdown(result: dict[str, Any]) -> str:
         "requantization) and its fingerprint inside it.",
         "",
         "Bound: one compare pass over both versions' bytes on the sender (`ne` into a preallocated mask, "
-        "best of 3), the least work an exact delta sender does before it knows what to send; 'bound / "
-        "full' is the smallest 'time delta / full' this host allows.",
+        "best of 3), the least work an exact delta sender does before it knows what to send; no exact "
+        "sender's 'time delta / full' can be below 'bound / full' (a lower bound: the update's control "
+        "round trips come on top).",
         "",
         "| scenario | changed | wire bytes | wire / full | delta s | encode s | full s | time delta / full "
         "| bound s | bound / full | engine delta s (apply, fp) | engine full s | engine delta / full | engine equal |",
