@@ -162,6 +162,25 @@ def test_the_cpu_encoder_writes_the_same_bytes_as_the_torch_encoder_cuda_senders
     assert torch.equal(pos, pos_t)
 
 
+@settings(max_examples=40, deadline=None)
+@random_changes
+def test_a_batch_encoded_with_one_sync_writes_each_tensors_own_bytes(
+    dtype: torch.dtype, pattern: str, numel: int, chunk_elems: int, density: float, seed: int
+) -> None:
+    # CUDA senders encode a group of tensors from per-chunk counts read back together (static-size
+    # nonzeros, no boolean indexing); each tensor's bytes must be what it gets encoded alone.
+    from weight_sync.transport.delta import _encode_torch_many, encode_delta_with_positions
+
+    pairs = [_pair(dtype, pattern, numel, density, seed), _pair(dtype, "random", 3000, 0.2, seed + 7),
+             _pair(dtype, "empty", 0, 0.0, seed), _pair(dtype, "all", 65, 0.0, seed + 3)]
+    ints = _INT[dtype.itemsize]
+    batch = _encode_torch_many([(new.view(ints), base.view(ints), dtype.itemsize) for base, new in pairs], chunk_elems)
+    for (base, new), (enc_t, pos_t) in zip(pairs, batch, strict=True):
+        enc, pos = encode_delta_with_positions(new, base, chunk_elems=chunk_elems)
+        assert torch.equal(enc, enc_t)
+        assert torch.equal(pos, pos_t)
+
+
 @settings(max_examples=60, deadline=None)
 @random_changes
 def test_the_torch_decoder_cuda_receivers_run_finds_the_positions_the_cpu_decoder_finds(
@@ -202,3 +221,57 @@ def test_both_decoders_refuse_repeated_offsets_and_positions_beyond_the_tensor(d
     beyond[26:28] = torch.tensor([100 - 32768], dtype=torch.int16).view(torch.uint8)
     with pytest.raises(LayoutMismatchError, match="beyond"):
         positions(beyond, 100)
+
+
+def _bitmask_payload() -> torch.Tensor:
+    """The encoding of 64 float32 elements, 10 of them changed: one chunk in bitmask form, its 8 bytes
+    of bits at payload bytes 24..32 (header 16 + table 8)."""
+    base = torch.zeros(64)
+    new = base.clone()
+    new[torch.arange(0, 60, 6)] = 1.0
+    enc = encode_delta(new, base, chunk_elems=64)
+    assert delta_stats(enc, 64, torch.float32).chunks == (0, 1, 0, 0)
+    return enc
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_the_torch_decoder_refuses_bitmasks_whose_count_differs_from_their_table(deferred: bool) -> None:
+    from weight_sync.transport.delta import _parse, _sparse_positions_torch, raise_failed
+
+    enc = _bitmask_payload()
+    bad = enc.clone()
+    bad[24] |= 2  # element 1 was not changed: one bit more than the table's 10
+    parsed = _parse(bad, 64, torch.float32)
+    with pytest.raises(LayoutMismatchError, match="different number of changes than the table's 10"):
+        if deferred:
+            checks: list = []
+            _sparse_positions_torch(parsed, 64, torch.device("cpu"), checks)
+            raise_failed(checks)  # nothing raised before: the caller reads the checks back
+        else:
+            _sparse_positions_torch(parsed, 64, torch.device("cpu"))
+
+
+def test_deferred_checks_are_all_raised_later_and_a_good_payload_passes_them() -> None:
+    from weight_sync.transport.delta import _parse, _sparse_positions_torch, raise_failed
+
+    enc = _bitmask_payload()
+    checks: list = []
+    bpos, ipos = _sparse_positions_torch(_parse(enc, 64, torch.float32), 64, torch.device("cpu"), checks)
+    assert checks  # the decode's checks were handed over, not read back
+    raise_failed(checks)
+    assert torch.equal(bpos, torch.arange(0, 60, 6)) and not ipos.numel()
+
+
+def test_headers_read_ahead_for_a_bucket_decode_as_the_payloads_own() -> None:
+    from weight_sync.transport.delta import decode_delta, read_heads
+
+    pairs = [_pair(torch.bfloat16, pattern, numel, 0.05, seed)
+             for seed, (pattern, numel) in enumerate([("random", 70000), ("one", 10), ("empty", 3)])]
+    encs = [encode_delta(new, base) for base, new in pairs]
+    heads = read_heads([(enc, base.numel()) for enc, (base, _) in zip(encs, pairs)])
+    for enc, (base, _), head in zip(encs, pairs, heads):
+        ahead = decode_delta(enc, base.numel(), base.dtype, head=head)
+        own = decode_delta(enc, base.numel(), base.dtype)
+        assert all(torch.equal(a, b) for a, b in zip(ahead, own))
+    with pytest.raises(LayoutMismatchError, match="header bytes"):
+        decode_delta(encs[0], pairs[0][0].numel(), torch.bfloat16, head=heads[0][:8])

@@ -48,7 +48,9 @@ from weight_sync.checksum import tensor_checksums
 from weight_sync.errors import ConfigError, LayoutMismatchError
 from weight_sync.layers.tensors import iter_graph_visible_tensors
 from weight_sync.quant.delta import apply_quantized_delta_, delta_absmax
-from weight_sync.quant.online import OnlineQuantLinearMethod
+from weight_sync.quant.fp8 import Fp8LinearMethod
+from weight_sync.quant.int8 import Int8LinearMethod
+from weight_sync.quant.online import OnlineQuantLinearMethod, split_over_group
 from weight_sync.reload.plan import Plan, contiguous_strides
 from weight_sync.reload.report import fingerprint
 from weight_sync.reload.state import LayerInfo, ModelState
@@ -249,6 +251,30 @@ def _checksum_change_np(byte_pos: np.ndarray, old: np.ndarray, new: np.ndarray, 
     return np.array([d.sum(), weighted.sum()], dtype=np.int64)
 
 
+def _reduces(mod: nn.Module) -> bool:
+    """Whether a delta into ``mod``'s quantized weight takes part in a reduction over its TP group even
+    when none of its own elements changed (a per-tensor scale shared by the ranks: another rank's change
+    moves it; block, channel and int8 scales are each rank's own)."""
+    method = getattr(mod, "quant_method", None)
+    local = isinstance(method, Fp8LinearMethod) and method.config.granularity != "tensor"
+    return not local and not isinstance(method, Int8LinearMethod) and split_over_group(getattr(mod, "tp_group", None))
+
+
+def _requantize_whole(method: OnlineQuantLinearMethod, base: torch.Tensor, q: torch.Tensor, num_changes: int) -> bool:
+    """Whether a weight with ``num_changes`` changed elements is requantized whole (grouped, after the
+    bucket) rather than tile by tile / row by row: on CUDA, with its model-format copy on the kernel
+    tensors' device, block or per-channel fp8 scales, and on average at least one change per scale
+    unit (nearly every tile or row is then touched, and the per-weight launches and device sync of
+    the incremental path cost far more than one grouped pass over the weight)."""
+    if not (q.is_cuda and base.device == q.device and isinstance(method, Fp8LinearMethod)):
+        return False
+    granularity = method.config.granularity
+    if granularity == "block":
+        bn, bk = method.config.block_size
+        return num_changes * bn * bk >= base.numel()
+    return granularity == "channel" and num_changes >= base.shape[0]
+
+
 class InPlaceUpdate:
     """One update's in-place writes on one engine rank: what they changed, how to undo them."""
 
@@ -266,8 +292,11 @@ class InPlaceUpdate:
         self.recorded: set[tuple[str, str]] = set()
         self.num_in_place = 0
         self.num_requantized = 0
+        self.num_whole = 0  # of them: requantized whole after the bucket (flush)
         self.seconds = {"apply": 0.0, "fingerprint": 0.0}  # host time of the in-place writes and the fingerprint
         self.pending_checksums: dict[int, tuple[int, torch.dtype, tuple[int, ...], int]] | None = None
+        # (layer, tensor) -> (method, model-format copy, qweight, scale): written, to requantize whole.
+        self._whole: dict[tuple[str, str], tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def _base_device(self) -> torch.device:
         where = self.session.model.__dict__.get(DELTA_BASE_ATTR, "pinned")
@@ -295,23 +324,62 @@ class InPlaceUpdate:
     def apply(self, name: str, payload: torch.Tensor, meta_numel: int, dtype: torch.dtype,
               targets: tuple[Target, ...]) -> None:
         """Decode one tensor's delta and write it in place along ``targets``."""
-        # Imported here: weight_sync.transport imports this module (through delta_sync).
-        from weight_sync.transport.delta import decode_delta
+        self.apply_many([(name, payload, meta_numel, dtype, targets)])
 
+    def apply_many(self, items: list[tuple[str, torch.Tensor, int, torch.dtype, tuple[Target, ...]]]) -> None:
+        """Decode the deltas of several tensors (one bucket), check them all, then write them in place.
+
+        On CUDA the payloads' headers come to the host in one read and every decode check in one more
+        (instead of two device syncs per tensor), and the block- and channel-scaled weights the changes
+        reach densely are requantized whole at the end, in one grouped launch (:meth:`flush`). Nothing
+        is written before every payload of ``items`` has passed its checks.
+        """
+        # Imported here: weight_sync.transport imports this module (through delta_sync).
+        from weight_sync.transport.delta import Checks, decode_delta, raise_failed, read_heads
+
+        if not items:
+            return
         t0 = time.perf_counter()
-        pos, vals = decode_delta(payload, meta_numel, dtype)  # checked whole before any write
-        for t in targets:
-            info = self.state.layers[t.layer]
-            idx, v = _select(t, pos, vals)
-            if t.kind == "live":
-                self._scatter(info, t, idx, v, dtype)
-            else:
-                self._requantize(info, t, idx, v, dtype)
-        self.session.mark_applied(name, payload.numel())  # applied here, not through load()
-        self.num_in_place += 1
+        heads: list[Any] = [None] * len(items)
+        on_device = [i for i, it in enumerate(items) if it[1].device.type != "cpu"]
+        for dev in {items[i][1].device for i in on_device}:
+            at = [i for i in on_device if items[i][1].device == dev]
+            for i, head in zip(at, read_heads([(items[i][1], items[i][2]) for i in at])):
+                heads[i] = head
+        checks: Checks = []
+        decoded = [decode_delta(payload, numel, dtype, head=head, checks=checks)
+                   for (_, payload, numel, dtype, _), head in zip(items, heads)]
+        raise_failed(checks)  # every payload checked whole before the first write
+        for (name, payload, _, dtype, targets), (pos, vals) in zip(items, decoded):
+            for t in targets:
+                info = self.state.layers[t.layer]
+                idx, v = _select(t, pos, vals)
+                if t.kind == "live":
+                    self._scatter(info, t, idx, v, dtype)
+                else:
+                    self._requantize(info, t, idx, v, dtype)
+            self.session.mark_applied(name, payload.numel())  # applied here, not through load()
+            self.num_in_place += 1
+        self.flush()
         self.seconds["apply"] += time.perf_counter() - t0
 
+    def flush(self) -> None:
+        """Requantize the weights whose changes were only written into their model-format copies (see
+        :meth:`_requantize`): whole, from the copy, grouped per quantization method."""
+        if not self._whole:
+            return
+        by_method: dict[int, tuple[Any, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]] = {}
+        for key, (method, base, q, s) in self._whole.items():
+            by_method.setdefault(id(method), (method, []))[1].append((base, q, s))
+            # Whatever absmax state a tile write of this weight kept, the new scales supersede it.
+            self.applier.absmax.pop(key, None)
+        self._whole.clear()
+        for method, group in by_method.values():
+            method.quantize_bands(group)
+
     def _scatter(self, info: LayerInfo, t: Target, idx: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> None:
+        if not idx.numel():
+            return  # nothing of this key changed here
         live = _live(info.module, t.tensor)
         assert live is not None  # routed only to existing live tensors
         region = _as_int(live.detach().view(-1)[t.dst_offset : t.dst_offset + t.numel])
@@ -349,6 +417,8 @@ class InPlaceUpdate:
             )
         q, s = _live(mod, "weight"), _live(mod, "weight_scale")
         assert q is not None and s is not None  # checked when routed
+        if not idx.numel() and not _reduces(mod):
+            return  # nothing of this key changed, and no peer waits on a scale reduction of it
         if self.session.rollback and info.name not in self._whole_snaps:
             self._whole_snaps[info.name] = [(x, x.detach().to("cpu", copy=True)) for x in (q, s)]
         self.touched.add(info.name)
@@ -356,6 +426,19 @@ class InPlaceUpdate:
         method = mod.quant_method
         assert isinstance(method, OnlineQuantLinearMethod)  # checked when routed
         key = (info.name, t.tensor)
+        at = idx + t.dst_offset if t.dst_offset else idx
+        if key in self._whole or _requantize_whole(method, base, q, idx.numel()):
+            # Dense changes on the device: write them into the copy now and requantize it whole in
+            # flush(), grouped with the other such weights of the bucket. Bitwise what the tile path
+            # gives (both equal quantize(copy)), at a fraction of its launches and without its sync.
+            # Once a weight waits here, later keys of it (q, k, v of one fused qkv) wait too: the tile
+            # path's absmax state describes the copy as its scales do, which the written changes left.
+            base.view(-1)[at.to(base.device)] = v.view(dtype).to(base.device, base.dtype)
+            self._whole[key] = (method, base, q.detach(), s.detach())
+            self.applier.absmax.pop(key, None)  # made again from the new scales when next needed
+            self.num_requantized += 1
+            self.num_whole += 1
+            return
         absmax = self.applier.absmax.get(key)
         if absmax is None:
             # The first delta since the copy was recorded: block scales give it without a read of the
@@ -363,7 +446,6 @@ class InPlaceUpdate:
             absmax = delta_absmax(method, base, s.detach())
             if absmax is not None:
                 self.applier.absmax[key] = absmax
-        at = idx + t.dst_offset if t.dst_offset else idx
         apply_quantized_delta_(method, base, at, v.view(dtype).to(base.dtype), q.detach(), s.detach(),
                                getattr(mod, "tp_group", None), absmax=absmax)
         self.num_requantized += 1

@@ -44,6 +44,7 @@ __all__ = [
     "FORM_INDEX",
     "FORM_PLAIN",
     "FORM_SAME",
+    "Checks",
     "DeltaStats",
     "apply_delta_",
     "changed_mask",
@@ -52,6 +53,10 @@ __all__ = [
     "delta_stats",
     "encode_delta",
     "encode_delta_with_positions",
+    "encode_deltas_with_positions",
+    "head_bytes",
+    "raise_failed",
+    "read_heads",
 ]
 
 MAGIC = 0x32445357  # "WSD2" little-endian (WSD1 had int32 offsets for every chunk size)
@@ -150,7 +155,10 @@ def _forms(counts: np.ndarray, chunk_elems: int, numel: int, item: int) -> np.nd
 def _plain_positions(plain_chunks: torch.Tensor, chunk_elems: int, numel: int, dev: torch.device) -> torch.Tensor:
     """Flat positions of the plain chunks' elements, in order (only built when some chunks are plain)."""
     idx = (_to(plain_chunks, dev).view(-1, 1) * chunk_elems + torch.arange(chunk_elems, device=dev)).reshape(-1)
-    return idx[idx < numel] if plain_chunks.numel() and int(plain_chunks[-1]) * chunk_elems + chunk_elems > numel else idx
+    # Only the last chunk can be short, and its positions come last: a slice (a boolean index would
+    # wait for the device).
+    over = int(plain_chunks[-1]) * chunk_elems + chunk_elems - numel if plain_chunks.numel() else 0
+    return idx[: idx.numel() - over] if over > 0 else idx
 
 
 def _divmod(x: torch.Tensor, chunk_elems: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -193,8 +201,7 @@ def encode_delta_with_positions(
     """:func:`encode_delta` and the sorted flat int64 positions whose bytes changed (on ``new``'s
     device): what a sender needs to move its own base to ``new`` without decoding (``base_int[pos] =
     new_int[pos]``, see :func:`copy_changed_`)."""
-    if chunk_elems < 8 or chunk_elems % 8 or chunk_elems >= 1 << 31:
-        raise ConfigError(f"chunk_elems must be a positive multiple of 8 below 2**31, got {chunk_elems}")
+    _check_chunk_elems(chunk_elems)
     _check_pair(new, base)
     vals = _as_int(new.detach().contiguous())
     old = _as_int(base.detach().contiguous().to(new.device))
@@ -204,18 +211,78 @@ def encode_delta_with_positions(
     return _encode_torch(vals, old, chunk_elems, new.dtype.itemsize)
 
 
-def _encode_torch(vals: torch.Tensor, old: torch.Tensor, ce: int, item: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _chunk_counts(vals: torch.Tensor, old: torch.Tensor, ce: int) -> torch.Tensor:
+    """Changed elements per chunk (int64, on the device): one compare pass and a sum per chunk."""
+    numel, full = vals.numel(), vals.numel() // ce
+    mask = vals != old
+    parts = [mask[: full * ce].view(full, ce).sum(1)] if full else []
+    if numel > full * ce:
+        parts.append(mask[full * ce :].sum().reshape(1))
+    if not parts:
+        return torch.zeros(0, dtype=torch.int64, device=vals.device)
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def encode_deltas_with_positions(
+    pairs: list[tuple[torch.Tensor, torch.Tensor]], *, chunk_elems: int = DEFAULT_CHUNK_ELEMS
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`encode_delta_with_positions` of several ``(new, base)`` pairs, the same bytes; the pairs on
+    one CUDA device are encoded with one device sync for all of them instead of two or more each."""
+    out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(pairs)
+    batches: dict[torch.device, list[int]] = {}
+    for i, (new, base) in enumerate(pairs):
+        if new.device.type == "cpu":
+            out[i] = encode_delta_with_positions(new, base, chunk_elems=chunk_elems)
+        else:
+            _check_chunk_elems(chunk_elems)
+            _check_pair(new, base)
+            batches.setdefault(new.device, []).append(i)
+    for at in batches.values():
+        views = [(_as_int(pairs[i][0].detach().contiguous()),
+                  _as_int(pairs[i][1].detach().contiguous().to(pairs[i][0].device)), pairs[i][0].dtype.itemsize)
+                 for i in at]
+        for i, enc in zip(at, _encode_torch_many(views, chunk_elems)):
+            out[i] = enc
+    return [o for o in out if o is not None]
+
+
+def _check_chunk_elems(chunk_elems: int) -> None:
+    if chunk_elems < 8 or chunk_elems % 8 or chunk_elems >= 1 << 31:
+        raise ConfigError(f"chunk_elems must be a positive multiple of 8 below 2**31, got {chunk_elems}")
+
+
+def _encode_torch_many(pairs: list[tuple[torch.Tensor, torch.Tensor, int]], ce: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`_encode_torch` of several ``(vals, old, item size)`` on one device with one device sync
+    for all of them: every tensor's per-chunk counts are read back together, and each tensor's
+    positions then come from a static-size nonzero (a second compare pass, cheaper than a sync)."""
+    if not pairs:
+        return []
+    counts = [_chunk_counts(vals, old, ce) for vals, old, _ in pairs]
+    flat = (torch.cat(counts) if len(counts) > 1 else counts[0]).cpu()
+    out, at = [], 0
+    for (vals, old, item), c in zip(pairs, counts):
+        out.append(_encode_torch(vals, old, ce, item, counts=flat[at : at + c.numel()]))
+        at += c.numel()
+    return out
+
+
+def _encode_torch(vals: torch.Tensor, old: torch.Tensor, ce: int, item: int,
+                  counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The encoding of integer views ``vals`` over ``old`` in torch operations, on their device (CUDA;
-    on CPU :func:`_encode_cpu` writes the same bytes)."""
+    on CPU :func:`_encode_cpu` writes the same bytes). ``counts``: the changed elements per chunk,
+    already on the host (:func:`_encode_torch_many`); then nothing here waits for the device."""
     numel, dev = vals.numel(), vals.device
     num_chunks = -(-numel // ce)
-    # One compare and one nonzero: comparing 8-byte words first (4 bf16 each) and splitting only the
-    # changed words was measured too: faster at 0.5% density, slower from 2% on, so not kept.
-    pos = _changed_positions(vals, old)  # sorted: element order
-    # Changes per chunk from the sorted positions: a binary search per chunk boundary, no pass over k.
-    # The per-chunk table is tiny (one entry per 64 Ki elements): decided on the host.
-    bounds = torch.arange(num_chunks + 1, dtype=torch.int64, device=dev) * ce
-    counts = torch.searchsorted(pos, bounds).diff().cpu()
+    if counts is None:
+        # One compare and one nonzero: comparing 8-byte words first (4 bf16 each) and splitting only
+        # the changed words was measured too: faster at 0.5% density, slower from 2% on, so not kept.
+        pos = _changed_positions(vals, old)  # sorted: element order
+        # Changes per chunk from the sorted positions: a binary search per chunk boundary, no pass
+        # over k. The per-chunk table is tiny (one entry per 64 Ki elements): decided on the host.
+        bounds = torch.arange(num_chunks + 1, dtype=torch.int64, device=dev) * ce
+        counts = torch.searchsorted(pos, bounds).diff().cpu()
+    else:
+        pos = torch.nonzero_static(vals != old, size=int(counts.sum())).reshape(-1)
     form = torch.from_numpy(_forms(counts.numpy(), ce, numel, item))
     is_bm, is_ix, is_pl = form == FORM_BITMASK, form == FORM_INDEX, form == FORM_PLAIN
     n_bm, n_ix, n_pl = int(is_bm.sum()), int(is_ix.sum()), int(is_pl.sum())
@@ -228,7 +295,10 @@ def _encode_torch(vals: torch.Tensor, old: torch.Tensor, ce: int, item: int) -> 
         elem_form = None if num_chunks in (n_bm, n_ix) else _to(form.repeat_interleave(counts), dev)
 
         def pick(kind: int) -> torch.Tensor:
-            return pos if elem_form is None else pos[elem_form == kind]
+            if elem_form is None:
+                return pos
+            size = int(counts[form == kind].sum())  # known on the host: no sync for the selection
+            return pos[torch.nonzero_static(elem_form == kind, size=size).reshape(-1)]
 
         # Values of the bitmask chunks first, then of the index chunks: each group decodes to its
         # positions in element order, so the engine writes both without sorting.
@@ -354,8 +424,31 @@ class _Parsed:
     regions: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # bitmask, offsets, sparse, plain
 
 
-def _parse(payload: torch.Tensor, numel: int, dtype: torch.dtype) -> _Parsed:
-    """Split an encoding into its regions, checking it against the tensor it claims to describe."""
+def head_bytes(numel: int) -> int:
+    """How many leading bytes of a tensor's encoding :func:`_parse` reads on the host: the header and,
+    at the default chunk size, the whole chunk table (what :func:`read_heads` fetches ahead)."""
+    return 16 + 8 * -(-numel // DEFAULT_CHUNK_ELEMS)
+
+
+def read_heads(items: list[tuple[torch.Tensor, int]]) -> list[np.ndarray]:
+    """The leading bytes (:func:`head_bytes`) of several encodings ``(payload, numel)`` that live on one
+    device, read to the host together: one device sync for a bucket instead of one per tensor."""
+    parts = [payload[: min(head_bytes(numel), payload.numel())] for payload, numel in items]
+    if not parts:
+        return []
+    flat = (torch.cat(parts) if len(parts) > 1 else parts[0]).cpu().numpy()
+    out, at = [], 0
+    for part in parts:
+        out.append(flat[at : at + part.numel()])
+        at += part.numel()
+    return out
+
+
+def _parse(payload: torch.Tensor, numel: int, dtype: torch.dtype, head: np.ndarray | None = None) -> _Parsed:
+    """Split an encoding into its regions, checking it against the tensor it claims to describe.
+
+    ``head``: its leading bytes already on the host (:func:`read_heads`), which saves this read.
+    """
     if payload.dtype != torch.uint8 or payload.dim() != 1 or payload.numel() < 16:
         raise LayoutMismatchError(
             f"delta payload must be a 1-D uint8 tensor of at least 16 bytes, got {tuple(payload.shape)} {payload.dtype}"
@@ -364,8 +457,10 @@ def _parse(payload: torch.Tensor, numel: int, dtype: torch.dtype) -> _Parsed:
     # sync on CUDA) when the encoding uses the default chunk size, else two.
     # Read through numpy: a handful of small-array operations per tensor, each far cheaper than
     # torch's per-call overhead (this runs for every tensor of every delta).
-    guess = 16 + 8 * -(-numel // DEFAULT_CHUNK_ELEMS)
-    head = payload[: min(guess, payload.numel())].cpu().numpy()
+    if head is None:
+        head = payload[: min(head_bytes(numel), payload.numel())].cpu().numpy()
+    if head.size < 16:
+        raise LayoutMismatchError(f"delta payload: {head.size} header bytes, expected at least 16")
     magic, chunk_elems, num_chunks, item = head[:16].view(np.int32).tolist()
     item_want = dtype.itemsize
     if magic != MAGIC or item != item_want or chunk_elems < 8 or num_chunks != -(-numel // chunk_elems):
@@ -412,29 +507,50 @@ def delta_stats(payload: torch.Tensor, numel: int, dtype: torch.dtype) -> DeltaS
     return DeltaStats(numel, changed, per_form, payload.numel(), numel * dtype.itemsize)  # type: ignore[arg-type]
 
 
-def _sparse_positions(p: _Parsed, numel: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+#: Checks of a decoded payload still on the device: (a 0-dim bool tensor, True where the payload is
+#: bad; the message naming what is wrong). See :func:`raise_failed`.
+Checks = list[tuple[torch.Tensor, str]]
+
+
+def raise_failed(checks: Checks) -> None:
+    """Read deferred decode checks back (one device sync for all of them) and raise on the first failed."""
+    if checks:
+        for failed, (_, message) in zip(torch.stack([c for c, _ in checks]).tolist(), checks):
+            if failed:
+                raise LayoutMismatchError(f"delta payload: {message}")
+
+
+def _sparse_positions(p: _Parsed, numel: int, dev: torch.device,
+                      checks: Checks | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Flat positions of the bitmask chunks' changes and of the index chunks' changes, each in element
-    order (the order of their values in the sparse region), checked against the region and the tensor."""
+    order (the order of their values in the sparse region), checked against the region and the tensor
+    (on the device, the checks go to ``checks`` when given, for the caller to read back before any write)."""
     if dev.type == "cpu":
         return _sparse_positions_cpu(p, numel)
-    return _sparse_positions_torch(p, numel, dev)
+    return _sparse_positions_torch(p, numel, dev, checks)
 
 
-def _sparse_positions_torch(p: _Parsed, numel: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _sparse_positions_torch(p: _Parsed, numel: int, dev: torch.device,
+                            deferred: Checks | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_sparse_positions` in torch operations on ``dev`` (CUDA; the CPU path decodes the same
-    positions in numpy)."""
+    positions in numpy). No device sync while ``deferred`` takes the checks."""
     ce = p.chunk_elems
     bitmask, offsets, sparse, _ = p.regions
     bpos = ipos = torch.empty(0, dtype=torch.int64, device=dev)
+    checks: Checks = []
     if bitmask.numel():
-        bm_chunks = _to((p.form == FORM_BITMASK).nonzero().reshape(-1), dev)
-        # Every bit unpacked, one nonzero: bitmask chunks are dense (index wins below 1/16 of a chunk
-        # changed), so splitting only the nonzero bytes was measured slower (18.9 vs 16.3 ms, 4 Mi).
-        hit = ((bitmask.view(-1, 1) & _bits(dev)) != 0).view(-1).nonzero().reshape(-1)
+        is_bm = p.form == FORM_BITMASK
+        bm_chunks = _to(is_bm.nonzero().reshape(-1), dev)
+        # Every bit unpacked: bitmask chunks are dense (index wins below 1/16 of a chunk changed), so
+        # splitting only the nonzero bytes was measured slower (18.9 vs 16.3 ms, 4 Mi). The table says
+        # how many bits are set: a static-size nonzero needs no device sync, and a bitmask whose count
+        # differs from its table is refused below.
+        bits = ((bitmask.view(-1, 1) & _bits(dev)) != 0).view(-1)
+        want = int(p.counts[is_bm].sum())
+        hit = torch.nonzero_static(bits, size=want).reshape(-1)
+        checks.append((bits.sum() != want, f"the bitmasks hold a different number of changes than the table's {want}"))
         c, within = _divmod(hit, ce)
-        bpos = bm_chunks[c] * ce + within
-    # The checks of the decoded positions, read back together: one device sync for all of them.
-    checks: list[tuple[torch.Tensor, str]] = []
+        bpos = bm_chunks[c.clamp_(min=0)] * ce + within
     if offsets.numel():
         chunks = (p.form == FORM_INDEX).nonzero().reshape(-1)
         off = _unpack_offsets(offsets, ce)
@@ -450,16 +566,21 @@ def _sparse_positions_torch(p: _Parsed, numel: int, dev: torch.device) -> tuple[
         )
     checks += [(part[-1] >= numel, f"a changed position lies beyond the tensor's {numel} elements")
                for part in (bpos, ipos) if part.numel()]
-    if checks:
-        for failed, (_, message) in zip(torch.stack([c for c, _ in checks]).tolist(), checks):
-            if failed:
-                raise LayoutMismatchError(f"delta payload: {message}")
+    if deferred is not None:
+        deferred += checks
+    else:
+        raise_failed(checks)
     return bpos, ipos
 
 
-def decode_delta(payload: torch.Tensor, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_delta(payload: torch.Tensor, numel: int, dtype: torch.dtype, *, head: np.ndarray | None = None,
+                 checks: Checks | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The changes an encoding carries, without a base: (flat int64 positions, their new values as
     integers of the item size), on the payload's device, checked like :func:`apply_delta_`.
+
+    ``head``: the payload's leading bytes read ahead (:func:`read_heads`). ``checks``: a list that takes
+    the checks a CUDA decode would otherwise read back at once (one device sync per tensor); the caller
+    must then :func:`raise_failed` them before writing anything decoded. On CPU every check runs here.
 
     The positions are distinct but not sorted (bitmask chunks', then index chunks', then plain chunks'
     elements, each group in element order); plain chunks list every element, changed or not. Writing
@@ -467,9 +588,9 @@ def decode_delta(payload: torch.Tensor, numel: int, dtype: torch.dtype) -> tuple
     in place (``weight_sync.reload.delta_apply``) does, into live storage or a model-format copy.
     """
     dev = payload.device
-    p = _parse(payload, numel, dtype)
+    p = _parse(payload, numel, dtype, head)
     sparse, plain = p.regions[2], p.regions[3]
-    bpos, ipos = _sparse_positions(p, numel, dev)
+    bpos, ipos = _sparse_positions(p, numel, dev, checks)
     if not plain.numel():
         return (bpos if not ipos.numel() else ipos if not bpos.numel() else torch.cat([bpos, ipos])), sparse
     plain_pos = _plain_positions((p.form == FORM_PLAIN).nonzero().reshape(-1), p.chunk_elems, numel, dev)

@@ -45,7 +45,7 @@ import torch
 from weight_sync.errors import DeltaBaseError, DuplicateTensorError, ManifestError, TransportError
 from weight_sync.manifest import Manifest, TensorMeta
 from weight_sync.reload.delta_apply import DeltaApplier
-from weight_sync.transport.delta import apply_delta_, copy_changed_, encode_delta_with_positions
+from weight_sync.transport.delta import apply_delta_, copy_changed_, encode_deltas_with_positions
 
 __all__ = [
     "DELTA_BASES",
@@ -58,6 +58,10 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+# A sender encodes its CUDA tensors in groups of about this many bytes, one device sync per group: the
+# group's tensors (and, with a pinned base, device copies of their bases) are held until it is encoded.
+_ENCODE_GROUP_BYTES = 256 << 20
 
 DELTA_BASES = ("device", "pinned")
 
@@ -171,14 +175,27 @@ class DeltaSender:
     def _encode(self, pairs: Iterator[tuple[str, torch.Tensor]], manifest: Manifest) -> tuple[list[torch.Tensor], dict[str, Any]]:
         encodings: list[torch.Tensor] = []
         changed = numel = 0
+        group: list[tuple[torch.Tensor, torch.Tensor]] = []
+        group_bytes = 0
+
+        def encode_group() -> None:
+            nonlocal changed, numel
+            # Encoded together (one device sync per group on CUDA), then the base moves to the new bytes.
+            for (t, base), (enc, pos) in zip(group, encode_deltas_with_positions(group, chunk_elems=self.chunk_elems)):
+                copy_changed_(base, t, pos)
+                changed, numel = changed + pos.numel(), numel + t.numel()
+                encodings.append(enc)
+            group.clear()
+
         for meta in manifest:
             name, t = next(pairs)
             _check(name, t, meta)
-            base = self.tensors[name]
-            enc, pos = encode_delta_with_positions(t, base, chunk_elems=self.chunk_elems)
-            copy_changed_(base, t, pos)
-            changed, numel = changed + pos.numel(), numel + t.numel()
-            encodings.append(enc)
+            group.append((t, self.tensors[name]))
+            group_bytes += t.numel() * t.element_size()
+            if group_bytes >= _ENCODE_GROUP_BYTES or t.device.type == "cpu":
+                encode_group()
+                group_bytes = 0
+        encode_group()
         _expect_end(pairs, manifest)
         wire = sum(e.numel() for e in encodings)
         return encodings, {"num_changed": changed, "numel": numel, "changed_fraction": changed / max(numel, 1),
@@ -352,6 +369,8 @@ class DeltaSession:
             self._base.invalidate()
         update, manifest = self._update, self._inner.manifest
         through = []
+        in_place: list[tuple[str, torch.Tensor, int, torch.dtype, Any]] = []
+        queued: set[str] = set()
         try:
             for name, t in tensors:
                 targets = update.route(name)
@@ -359,10 +378,11 @@ class DeltaSession:
                     if targets is None or manifest is None or name not in manifest:
                         through.append((name, self._base.take(name, t, "delta")))
                         continue
-                    if name in self._inner._arrived:
+                    if name in self._inner._arrived or name in queued:
                         raise DuplicateTensorError(f"{name}: arrived twice in update {self._inner.version!r}")
+                    queued.add(name)
                     meta = manifest[name]
-                    update.apply(name, t, math.prod(meta.shape), meta.dtype, targets)
+                    in_place.append((name, t, math.prod(meta.shape), meta.dtype, targets))
                     continue
                 if targets is None:
                     self._base.take(name, t, "full")
@@ -371,6 +391,8 @@ class DeltaSession:
                     update.record(name, t, targets)
                 self._layouts[name] = (t.dtype, tuple(t.shape))
                 through.append((name, t))
+            # The call's in-place deltas together: decoded and checked as one batch, then written.
+            update.apply_many(in_place)
             object.__setattr__(self, "_through", self._through + len(through))
             return self._inner.load(through) if through else None
         except BaseException as e:
@@ -412,7 +434,8 @@ class DeltaSession:
         self._base.commit(report.version, report.fingerprint, self._layouts if full else None,
                           self._copied if full else None)
         self._base.last_stats = {"mode": self._mode, "in_place": self._update.num_in_place,
-                                 "requantized": self._update.num_requantized, "through_session": self._through,
+                                 "requantized": self._update.num_requantized,
+                                 "requantized_whole": self._update.num_whole, "through_session": self._through,
                                  "seconds": dict(self._update.seconds, total=report.seconds.get("total", 0.0))}
         return report
 

@@ -1,0 +1,41 @@
+"""CUDA delta apply (run on the device machine): dense changes into block- and channel-scaled fp8 weights
+take the grouped whole requantization when the model-format copies live on the device, the tile / row
+path when they are pinned on the host; both stay bitwise equal to a full reload."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.transport.test_delta_grouped import run_deltas
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quantization", ["fp8_block", "fp8_per_channel"])
+@pytest.mark.parametrize("base_where", ["device", "pinned"])
+def test_cuda_deltas_into_fp8_engines_equal_a_full_reload(qwen3_a: Path, quantization: str, base_where: str) -> None:
+    whole = run_deltas(qwen3_a, quantization, torch.device("cuda"), base_where, steps=3)
+    assert (whole > 0) == (base_where == "device")
+
+
+@pytest.mark.gpu
+def test_a_cuda_batch_encodes_to_the_bytes_a_cpu_sender_writes() -> None:
+    from weight_sync.transport.delta import (
+        encode_delta_with_positions,
+        encode_deltas_with_positions,
+    )
+
+    g = torch.Generator().manual_seed(0)
+    pairs = []
+    for numel, density in [(300_000, 0.02), (70_001, 0.5), (10, 0.0), (0, 0.0), (131_072, 1.0)]:
+        base = torch.randn(numel, generator=g).to(torch.bfloat16)
+        new = base.clone()
+        mask = torch.rand(numel, generator=g) < density
+        new[mask] += 0.25
+        pairs.append((base, new))
+    on_gpu = encode_deltas_with_positions([(new.cuda(), base.cuda()) for base, new in pairs])
+    for (base, new), (enc, pos) in zip(pairs, on_gpu, strict=True):
+        want_enc, want_pos = encode_delta_with_positions(new, base)
+        assert torch.equal(enc.cpu(), want_enc) and torch.equal(pos.cpu(), want_pos)
