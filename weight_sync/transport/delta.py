@@ -152,9 +152,12 @@ def _forms(counts: np.ndarray, chunk_elems: int, numel: int, item: int) -> np.nd
     return np.where(counts == 0, FORM_SAME, form).astype(np.int64)
 
 
-def _plain_positions(plain_chunks: torch.Tensor, chunk_elems: int, numel: int, dev: torch.device) -> torch.Tensor:
-    """Flat positions of the plain chunks' elements, in order (only built when some chunks are plain)."""
-    idx = (_to(plain_chunks, dev).view(-1, 1) * chunk_elems + torch.arange(chunk_elems, device=dev)).reshape(-1)
+def _plain_positions(plain_chunks: torch.Tensor, chunk_elems: int, numel: int, dev: torch.device,
+                     on_device: torch.Tensor | None = None) -> torch.Tensor:
+    """Flat positions of the plain chunks' elements, in order (only built when some chunks are plain);
+    ``on_device``: the same chunk numbers already on ``dev``."""
+    chunks = _to(plain_chunks, dev) if on_device is None else on_device
+    idx = (chunks.view(-1, 1) * chunk_elems + torch.arange(chunk_elems, device=dev)).reshape(-1)
     # Only the last chunk can be short, and its positions come last: a slice (a boolean index would
     # wait for the device).
     over = int(plain_chunks[-1]) * chunk_elems + chunk_elems - numel if plain_chunks.numel() else 0
@@ -292,7 +295,9 @@ def _encode_torch(vals: torch.Tensor, old: torch.Tensor, ce: int, item: int,
         plain_vals = vals.view(torch.uint8)  # every chunk plain: the tensor itself
     elif pos.numel():
         # Per changed element its chunk's form, unless one form covers every chunk.
-        elem_form = None if num_chunks in (n_bm, n_ix) else _to(form.repeat_interleave(counts), dev)
+        # Repeated on the device from the per-chunk table (a host repeat would move 8 bytes per change).
+        elem_form = None if num_chunks in (n_bm, n_ix) else torch.repeat_interleave(
+            _to(form, dev), _to(counts, dev), output_size=pos.numel())
 
         def pick(kind: int) -> torch.Tensor:
             if elem_form is None:
@@ -422,6 +427,30 @@ class _Parsed:
     form: torch.Tensor  # int64 per chunk, on the host (the table is read there anyway)
     counts: torch.Tensor
     regions: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # bitmask, offsets, sparse, plain
+    # The same table read in place on the payload's device, int64 (num_chunks, 2); None where the
+    # payload's bytes are not 4-byte aligned. Device decoders take their chunk lists from it: a
+    # host list would be one more (pageable, so blocking) copy to the device per tensor.
+    table: torch.Tensor | None = None
+
+    def chunks(self, kind: int, dev: torch.device) -> torch.Tensor:
+        """The chunk numbers of form ``kind``, ascending, on ``dev`` (no device sync)."""
+        host = self.form == kind
+        if self.table is None:
+            return _to(host.nonzero().reshape(-1), dev)
+        return torch.nonzero_static(self.table[:, 0] == kind, size=int(host.sum())).reshape(-1)
+
+    def chunk_counts(self, chunks: torch.Tensor, dev: torch.device) -> torch.Tensor:
+        """The changed counts of ``chunks`` (from :meth:`chunks`), on ``dev``."""
+        if self.table is None:
+            return _to(self.counts[chunks.cpu()], dev)
+        return self.table[:, 1][chunks]
+
+
+def _device_table(payload: torch.Tensor, num_chunks: int) -> torch.Tensor | None:
+    """The chunk table of ``payload`` as int64 (num_chunks, 2) on its device, read in place."""
+    if payload.storage_offset() % 4:
+        return None
+    return payload[16 : 16 + 8 * num_chunks].view(torch.int32).view(num_chunks, 2).long()
 
 
 def head_bytes(numel: int) -> int:
@@ -495,7 +524,8 @@ def _parse(payload: torch.Tensor, numel: int, dtype: torch.dtype, head: np.ndarr
         raise LayoutMismatchError(f"delta payload: the table describes {pos} bytes, the payload has {payload.numel()}")
     int_dtype = _INT_OF_SIZE[item] if dtype != torch.bool else torch.uint8
     bitmask, offsets, sparse, plain = regions
-    return _Parsed(chunk_elems, num_chunks, form, counts, (bitmask, offsets, sparse.view(int_dtype), plain.view(int_dtype)))
+    return _Parsed(chunk_elems, num_chunks, form, counts, (bitmask, offsets, sparse.view(int_dtype), plain.view(int_dtype)),
+                   _device_table(payload, num_chunks))
 
 
 def delta_stats(payload: torch.Tensor, numel: int, dtype: torch.dtype) -> DeltaStats:
@@ -540,7 +570,7 @@ def _sparse_positions_torch(p: _Parsed, numel: int, dev: torch.device,
     checks: Checks = []
     if bitmask.numel():
         is_bm = p.form == FORM_BITMASK
-        bm_chunks = _to(is_bm.nonzero().reshape(-1), dev)
+        bm_chunks = p.chunks(FORM_BITMASK, dev)
         # Every bit unpacked: bitmask chunks are dense (index wins below 1/16 of a chunk changed), so
         # splitting only the nonzero bytes was measured slower (18.9 vs 16.3 ms, 4 Mi). The table says
         # how many bits are set: a static-size nonzero needs no device sync, and a bitmask whose count
@@ -552,11 +582,13 @@ def _sparse_positions_torch(p: _Parsed, numel: int, dev: torch.device,
         c, within = _divmod(hit, ce)
         bpos = bm_chunks[c.clamp_(min=0)] * ce + within
     if offsets.numel():
-        chunks = (p.form == FORM_INDEX).nonzero().reshape(-1)
+        chunks = p.chunks(FORM_INDEX, dev)
         off = _unpack_offsets(offsets, ce)
         if ce < 1 << 16:  # int16 offsets cannot exceed a 64 Ki chunk (the default size): nothing to check there
             checks.append(((off >= ce).any(), f"an index offset is outside its chunk of {ce} elements"))
-        ipos = _to(chunks.repeat_interleave(p.counts[chunks]), dev) * ce + off
+        # Each offset's chunk, repeated on the device from the table (the region holds one offset per
+        # change the table counts for its index chunks).
+        ipos = torch.repeat_interleave(chunks, p.chunk_counts(chunks, dev), output_size=off.numel()) * ce + off
         # Offsets must increase inside a chunk (a repeat would write one element twice).
         if ipos.numel() > 1:
             checks.append(((ipos[1:] <= ipos[:-1]).any(), "index offsets repeat or are out of order"))
@@ -593,7 +625,8 @@ def decode_delta(payload: torch.Tensor, numel: int, dtype: torch.dtype, *, head:
     bpos, ipos = _sparse_positions(p, numel, dev, checks)
     if not plain.numel():
         return (bpos if not ipos.numel() else ipos if not bpos.numel() else torch.cat([bpos, ipos])), sparse
-    plain_pos = _plain_positions((p.form == FORM_PLAIN).nonzero().reshape(-1), p.chunk_elems, numel, dev)
+    plain_pos = _plain_positions((p.form == FORM_PLAIN).nonzero().reshape(-1), p.chunk_elems, numel, dev,
+                                 None if dev.type == "cpu" else p.chunks(FORM_PLAIN, dev))
     if not sparse.numel():
         return plain_pos, plain
     return torch.cat([bpos, ipos, plain_pos]), torch.cat([sparse, plain])
