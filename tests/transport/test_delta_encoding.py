@@ -275,3 +275,56 @@ def test_headers_read_ahead_for_a_bucket_decode_as_the_payloads_own() -> None:
         assert all(torch.equal(a, b) for a, b in zip(ahead, own))
     with pytest.raises(LayoutMismatchError, match="header bytes"):
         decode_delta(encs[0], pairs[0][0].numel(), torch.bfloat16, head=heads[0][:8])
+
+
+@settings(max_examples=40, deadline=None)
+@random_changes
+def test_a_bucket_decoded_together_gives_each_payloads_own_changes(
+    dtype: torch.dtype, pattern: str, numel: int, chunk_elems: int, density: float, seed: int
+) -> None:
+    # CUDA engines decode a bucket's payloads with one set of launches (here on CPU, same code): each
+    # payload's positions and values must be those it decodes to alone, whatever forms its chunks took.
+    from weight_sync.transport.delta import decode_delta, raise_failed
+    from weight_sync.transport.delta_batch import decode_together
+
+    pairs = [_pair(dtype, pattern, numel, density, seed), _pair(dtype, "random", 3000, 0.04, seed + 1),
+             _pair(dtype, "one", 70, 0.0, seed + 2), _pair(dtype, "empty", 0, 0.0, seed),
+             _pair(dtype, "random", 200, 0.5, seed + 3)]
+    encs = [(encode_delta(new, base, chunk_elems=ce), base.numel(), dtype)
+            for (base, new), ce in zip(pairs, [chunk_elems, chunk_elems, 64, chunk_elems, 1024])]
+    checks: list = []
+    together = decode_together(encs, torch.device("cpu"), checks)
+    raise_failed(checks)
+    for (enc, n, dt), (pos, vals) in zip(encs, together, strict=True):
+        want_pos, want_vals = decode_delta(enc, n, dt)
+        assert torch.equal(pos, want_pos) and torch.equal(vals, want_vals)
+
+
+@pytest.mark.parametrize("damage", ["bit", "repeat", "beyond"])
+def test_a_bad_payload_in_a_bucket_is_refused_by_name_of_its_problem(damage: str) -> None:
+    from weight_sync.transport.delta_batch import decode_deltas, decode_together
+
+    good = _pair(torch.float32, "random", 5000, 0.01, 1)
+    enc_good = encode_delta(good[1], good[0])
+    if damage == "bit":
+        bad, numel, message = _bitmask_payload().clone(), 64, "different number of changes"
+        bad[24] |= 2
+    else:
+        base = torch.zeros(100)
+        new = base.clone()
+        new[[3, 40]] = 1.0  # one index chunk: int16 offsets at bytes 24..28
+        bad, numel = encode_delta(new, base), 100
+        if damage == "repeat":
+            bad[26:28] = bad[24:26]
+            message = "repeat"
+        else:
+            bad[26:28] = torch.tensor([100 - 32768], dtype=torch.int16).view(torch.uint8)
+            message = "beyond"
+    items = [(enc_good, 5000, torch.float32), (bad, numel, torch.float32)]
+    checks: list = []
+    decode_together(items, torch.device("cpu"), checks)
+    failed = torch.stack([c for c, _ in checks]).tolist()
+    assert any(f and message in m for f, (_, m) in zip(failed, checks))
+    # On CPU each payload decodes alone (numpy) and raises its own error, counted its own way.
+    with pytest.raises(LayoutMismatchError, match="changed positions but" if damage == "bit" else message):
+        decode_deltas(items)

@@ -39,3 +39,30 @@ def test_a_cuda_batch_encodes_to_the_bytes_a_cpu_sender_writes() -> None:
     for (base, new), (enc, pos) in zip(pairs, on_gpu, strict=True):
         want_enc, want_pos = encode_delta_with_positions(new, base)
         assert torch.equal(enc.cpu(), want_enc) and torch.equal(pos.cpu(), want_pos)
+
+
+@pytest.mark.gpu
+def test_a_cuda_bucket_decodes_together_to_each_payloads_changes_and_names_a_bad_one() -> None:
+    from weight_sync.errors import LayoutMismatchError
+    from weight_sync.transport.delta import decode_delta, encode_delta
+    from weight_sync.transport.delta_batch import decode_deltas
+
+    g = torch.Generator().manual_seed(1)
+    items = []
+    for numel, density in [(300_000, 0.02), (70_001, 0.3), (10, 0.0), (0, 0.0), (131_072, 0.9)]:
+        base = torch.randn(numel, generator=g).to(torch.bfloat16)
+        new = base.clone()
+        mask = torch.rand(numel, generator=g) < density
+        new[mask] += 0.25
+        items.append((encode_delta(new, base), numel, torch.bfloat16))
+    together = decode_deltas([(enc.cuda(), n, dt) for enc, n, dt in items])
+    for (enc, n, dt), (pos, vals) in zip(items, together, strict=True):
+        want_pos, want_vals = decode_delta(enc, n, dt)
+        assert torch.equal(pos.cpu(), want_pos) and torch.equal(vals.cpu(), want_vals)
+    base = torch.zeros(100)
+    new = base.clone()
+    new[[3, 40]] = 1.0
+    bad = encode_delta(new, base)
+    bad[26:28] = bad[24:26]  # offset 40 -> 3: a repeat
+    with pytest.raises(LayoutMismatchError, match="repeat"):
+        decode_deltas([(items[0][0].cuda(), items[0][1], torch.bfloat16), (bad.cuda(), 100, torch.float32)])

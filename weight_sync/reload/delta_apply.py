@@ -329,27 +329,20 @@ class InPlaceUpdate:
     def apply_many(self, items: list[tuple[str, torch.Tensor, int, torch.dtype, tuple[Target, ...]]]) -> None:
         """Decode the deltas of several tensors (one bucket), check them all, then write them in place.
 
-        On CUDA the payloads' headers come to the host in one read and every decode check in one more
-        (instead of two device syncs per tensor), and the block- and channel-scaled weights the changes
-        reach densely are requantized whole at the end, in one grouped launch (:meth:`flush`). Nothing
-        is written before every payload of ``items`` has passed its checks.
+        On CUDA the payloads are decoded together (:func:`~weight_sync.transport.delta_batch.decode_deltas`:
+        one read of their headers, one set of launches, one read of every check), and the block- and
+        channel-scaled weights the changes reach densely are requantized whole at the end, in one
+        grouped launch (:meth:`flush`). Nothing is written before every payload of ``items`` has passed
+        its checks.
         """
         # Imported here: weight_sync.transport imports this module (through delta_sync).
-        from weight_sync.transport.delta import Checks, decode_delta, raise_failed, read_heads
+        from weight_sync.transport.delta_batch import decode_deltas
 
         if not items:
             return
         t0 = time.perf_counter()
-        heads: list[Any] = [None] * len(items)
-        on_device = [i for i, it in enumerate(items) if it[1].device.type != "cpu"]
-        for dev in {items[i][1].device for i in on_device}:
-            at = [i for i in on_device if items[i][1].device == dev]
-            for i, head in zip(at, read_heads([(items[i][1], items[i][2]) for i in at])):
-                heads[i] = head
-        checks: Checks = []
-        decoded = [decode_delta(payload, numel, dtype, head=head, checks=checks)
-                   for (_, payload, numel, dtype, _), head in zip(items, heads)]
-        raise_failed(checks)  # every payload checked whole before the first write
+        # Every payload decoded and checked whole before the first write (on a device: together).
+        decoded = decode_deltas([(payload, numel, dtype) for _, payload, numel, dtype, _ in items])
         for (name, payload, _, dtype, targets), (pos, vals) in zip(items, decoded):
             for t in targets:
                 info = self.state.layers[t.layer]
