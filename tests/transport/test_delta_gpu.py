@@ -20,6 +20,18 @@ def test_cuda_deltas_into_fp8_engines_equal_a_full_reload(qwen3_a: Path, quantiz
     assert (whole > 0) == (base_where == "device")
 
 
+def _bf16_pairs(specs: list[tuple[int, float]], seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(base, new) bf16 pairs on the host: ``numel`` elements, a ``density`` of them moved by 0.25."""
+    g = torch.Generator().manual_seed(seed)
+    pairs = []
+    for numel, density in specs:
+        base = torch.randn(numel, generator=g).to(torch.bfloat16)
+        new = base.clone()
+        new[torch.rand(numel, generator=g) < density] += 0.25
+        pairs.append((base, new))
+    return pairs
+
+
 @pytest.mark.gpu
 def test_a_cuda_batch_encodes_to_the_bytes_a_cpu_sender_writes() -> None:
     from weight_sync.transport.delta import (
@@ -27,14 +39,7 @@ def test_a_cuda_batch_encodes_to_the_bytes_a_cpu_sender_writes() -> None:
         encode_deltas_with_positions,
     )
 
-    g = torch.Generator().manual_seed(0)
-    pairs = []
-    for numel, density in [(300_000, 0.02), (70_001, 0.5), (10, 0.0), (0, 0.0), (131_072, 1.0)]:
-        base = torch.randn(numel, generator=g).to(torch.bfloat16)
-        new = base.clone()
-        mask = torch.rand(numel, generator=g) < density
-        new[mask] += 0.25
-        pairs.append((base, new))
+    pairs = _bf16_pairs([(300_000, 0.02), (70_001, 0.5), (10, 0.0), (0, 0.0), (131_072, 1.0)], seed=0)
     on_gpu = encode_deltas_with_positions([(new.cuda(), base.cuda()) for base, new in pairs])
     for (base, new), (enc, pos) in zip(pairs, on_gpu, strict=True):
         want_enc, want_pos = encode_delta_with_positions(new, base)
@@ -47,14 +52,8 @@ def test_a_cuda_bucket_decodes_together_to_each_payloads_changes_and_names_a_bad
     from weight_sync.transport.delta import decode_delta, encode_delta
     from weight_sync.transport.delta_batch import decode_deltas
 
-    g = torch.Generator().manual_seed(1)
-    items = []
-    for numel, density in [(300_000, 0.02), (70_001, 0.3), (10, 0.0), (0, 0.0), (131_072, 0.9)]:
-        base = torch.randn(numel, generator=g).to(torch.bfloat16)
-        new = base.clone()
-        mask = torch.rand(numel, generator=g) < density
-        new[mask] += 0.25
-        items.append((encode_delta(new, base), numel, torch.bfloat16))
+    items = [(encode_delta(new, base), base.numel(), torch.bfloat16) for base, new in
+             _bf16_pairs([(300_000, 0.02), (70_001, 0.3), (10, 0.0), (0, 0.0), (131_072, 0.9)], seed=1)]
     together = decode_deltas([(enc.cuda(), n, dt) for enc, n, dt in items])
     for (enc, n, dt), (pos, vals) in zip(items, together, strict=True):
         want_pos, want_vals = decode_delta(enc, n, dt)
