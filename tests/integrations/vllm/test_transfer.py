@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import threading
 import time
 from pathlib import Path
 
@@ -40,10 +41,17 @@ class Trainer:
         return self.conn.recv()
 
     def join(self) -> int | None:
-        self.proc.join(60)
-        if self.proc.is_alive():
+        """The trainer's exit code, waiting at most 60 s (then killing it).
+
+        Waits for the exit status itself (``waitpid``, on a thread), not with ``Process.join(timeout)``:
+        that waits on the process's sentinel pipe, which a zero-copy trainer's ``torch_shm_manager``
+        inherits and holds open for about a minute after the trainer has exited."""
+        waiter = threading.Thread(target=self.proc.join, daemon=True)  # no timeout: a blocking waitpid
+        waiter.start()
+        waiter.join(60)
+        if waiter.is_alive():
             self.proc.kill()
-            self.proc.join()
+            waiter.join()
         return self.proc.exitcode
 
 
