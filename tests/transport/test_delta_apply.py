@@ -11,7 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from weight_sync.checksum import tensor_checksum
-from weight_sync.reload.delta_apply import _MASK32, _checksum_change_np, checksum_change
+from weight_sync.reload.delta_apply import (
+    _MASK32,
+    _checksum_change_np,
+    checksum_change,
+    checksum_changes,
+)
 
 DTYPES = [torch.bool, torch.uint8, torch.float8_e4m3fn, torch.bfloat16, torch.float16, torch.float32,
           torch.int64]
@@ -29,6 +34,27 @@ def _moved(value: int, nbytes: int, change: torch.Tensor) -> int:
     hi = ((halves >> 32) + d_plain) & _MASK32
     lo = ((halves & _MASK32) + d_weighted) & _MASK32
     return ((hi << 32) | lo) ^ nbytes
+
+
+@settings(max_examples=30, deadline=None)
+@given(itemsize=st.sampled_from([1, 2, 4, 8]), sizes=st.lists(st.integers(0, 500), min_size=1, max_size=6),
+       seed=st.integers(0, 2**16))
+def test_the_checksum_moves_of_a_buckets_writes_computed_together_equal_each_writes_own(
+    itemsize: int, sizes: list[int], seed: int
+) -> None:
+    # CUDA engines move the checksums of a bucket's direct writes in one set of launches.
+    g = torch.Generator().manual_seed(seed)
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[itemsize]
+    info = torch.iinfo(ints)
+    writes = []
+    for n in sizes:
+        byte_pos = torch.randperm(4096, generator=g)[:n].sort().values * itemsize
+        old, new = (torch.randint(info.min, info.max, (n,), generator=g, dtype=torch.int64).to(ints) for _ in range(2))
+        writes.append((byte_pos, old, new))
+    rows = checksum_changes(writes, itemsize)
+    assert rows.shape == (len(writes), 2)
+    for row, (byte_pos, old, new) in zip(rows, writes):
+        assert torch.equal(row, torch.from_numpy(_checksum_change_np(byte_pos.numpy(), old.numpy(), new.numpy(), itemsize)))
 
 
 @settings(max_examples=60, deadline=None)

@@ -219,10 +219,21 @@ def _as_int(t: torch.Tensor) -> torch.Tensor:
 def checksum_change(byte_pos: torch.Tensor, old: torch.Tensor, new: torch.Tensor, itemsize: int) -> torch.Tensor:
     """int64 ``[plain, weighted]``: how writing ``new`` over ``old`` (integer views, one element each at
     byte offset ``byte_pos`` of a tensor) moves that tensor's two checksum sums, mod 2**32."""
+    return checksum_changes([(byte_pos, old, new)], itemsize)[0]
+
+
+def checksum_changes(writes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], itemsize: int) -> torch.Tensor:
+    """:func:`checksum_change` of several ``(byte_pos, old, new)`` writes of one item size (one device),
+    as int64 rows ``[plain, weighted]``: one set of launches for all of them (a bucket's direct tensors)."""
+    dev = writes[0][0].device
+    sizes = [w[0].numel() for w in writes]
+    byte_pos, old, new = (torch.cat([w[k] for w in writes]) if len(writes) > 1 else writes[0][k] for k in range(3))
     if itemsize == 8:
         o, n = old.to(torch.int64), new.to(torch.int64)
+        # Two words per element: low halves first, then high halves (each write's run once in each).
         d = torch.cat([(n & _MASK32) - (o & _MASK32), ((n >> 32) & _MASK32) - ((o >> 32) & _MASK32)])
         words = torch.cat([byte_pos >> 2, (byte_pos >> 2) + 1])
+        sizes = sizes + sizes
     else:
         mask = (1 << (8 * itemsize)) - 1
         d = (new.to(torch.int64) & mask) - (old.to(torch.int64) & mask)
@@ -231,7 +242,12 @@ def checksum_change(byte_pos: torch.Tensor, old: torch.Tensor, new: torch.Tensor
         words = byte_pos >> 2
     d = d & _MASK32  # each term mod 2**32: sums of up to 2**31 terms fit int64
     weighted = (d * (words % _PERIOD + 1)) & _MASK32
-    return torch.stack([d.sum(), weighted.sum()])
+    terms = torch.stack([d, weighted], 1)
+    if len(writes) == 1:
+        return terms.sum(0, keepdim=True)
+    seg = torch.arange(len(writes), device=dev).repeat(2 if itemsize == 8 else 1)
+    seg = torch.repeat_interleave(seg, torch.tensor(sizes, device=dev), output_size=d.numel())
+    return torch.zeros(len(writes), 2, dtype=torch.int64, device=dev).index_add_(0, seg, terms)
 
 
 def _checksum_change_np(byte_pos: np.ndarray, old: np.ndarray, new: np.ndarray, itemsize: int) -> np.ndarray:
@@ -295,6 +311,9 @@ class InPlaceUpdate:
         self.num_whole = 0  # of them: requantized whole after the bucket (flush)
         self.seconds = {"apply": 0.0, "fingerprint": 0.0}  # host time of the in-place writes and the fingerprint
         self.pending_checksums: dict[int, tuple[int, torch.dtype, tuple[int, ...], int]] | None = None
+        # item size -> (id of the live tensor, byte positions, old, new) of direct writes on a device,
+        # whose checksum moves flush() computes together.
+        self._sum_writes: dict[int, list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
         # (layer, tensor) -> (method, model-format copy, qweight, scale): written, to requantize whole.
         self._whole: dict[tuple[str, str], tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
@@ -358,12 +377,20 @@ class InPlaceUpdate:
 
     def flush(self) -> None:
         """Requantize the weights whose changes were only written into their model-format copies (see
-        :meth:`_requantize`): whole, from the copy, grouped per quantization method."""
+        :meth:`_requantize`): whole, from the copy, grouped per quantization method; and move the
+        checksums of the bucket's direct writes on a device, all of one item size together."""
+        for size, writes in self._sum_writes.items():
+            rows = checksum_changes([w[1:] for w in writes], size)
+            for (tid, *_), row in zip(writes, rows):
+                self._sum_changes.setdefault(tid, []).append(row)
+        self._sum_writes.clear()
         if not self._whole:
             return
-        by_method: dict[int, tuple[Any, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]] = {}
+        # Grouped by configuration, not by method object: every layer has its own method instance, and
+        # quantize_bands depends only on the configuration (one grouped launch per kernel shape).
+        by_method: dict[Any, tuple[Any, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]] = {}
         for key, (method, base, q, s) in self._whole.items():
-            by_method.setdefault(id(method), (method, []))[1].append((base, q, s))
+            by_method.setdefault((type(method), method.config), (method, []))[1].append((base, q, s))
             # Whatever absmax state a tile write of this weight kept, the new scales supersede it.
             self.applier.absmax.pop(key, None)
         self._whole.clear()
@@ -395,7 +422,11 @@ class InPlaceUpdate:
         else:
             old = region[idx]
             region[idx] = v
-            change = checksum_change((idx + t.dst_offset) * size, old, v, size)
+            # Its checksum move is computed with the bucket's other writes of this item size (flush).
+            self._sum_writes.setdefault(size, []).append((id(live), (idx + t.dst_offset) * size, old, v))
+            if self.session.rollback:
+                self._element_snaps.append((region, idx, old))
+            return
         if self.session.rollback:
             self._element_snaps.append((region, idx, old))
         self._sum_changes.setdefault(id(live), []).append(change)

@@ -427,23 +427,28 @@ class _Parsed:
     form: torch.Tensor  # int64 per chunk, on the host (the table is read there anyway)
     counts: torch.Tensor
     regions: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # bitmask, offsets, sparse, plain
-    # The same table read in place on the payload's device, int64 (num_chunks, 2); None where the
-    # payload's bytes are not 4-byte aligned. Device decoders take their chunk lists from it: a
-    # host list would be one more (pageable, so blocking) copy to the device per tensor.
-    table: torch.Tensor | None = None
+    payload: torch.Tensor | None = None  # the encoding itself (its table, read in place: table())
+
+    def table(self) -> torch.Tensor | None:
+        """The chunk table read in place on the payload's device, int64 (num_chunks, 2); None where the
+        payload's bytes are not 4-byte aligned. Device decoders take their chunk lists from it: a host
+        list would be one more (pageable, so blocking) copy to the device per tensor."""
+        return None if self.payload is None else _device_table(self.payload, self.num_chunks)
 
     def chunks(self, kind: int, dev: torch.device) -> torch.Tensor:
         """The chunk numbers of form ``kind``, ascending, on ``dev`` (no device sync)."""
         host = self.form == kind
-        if self.table is None:
+        table = self.table()
+        if table is None:
             return _to(host.nonzero().reshape(-1), dev)
-        return torch.nonzero_static(self.table[:, 0] == kind, size=int(host.sum())).reshape(-1)
+        return torch.nonzero_static(table[:, 0] == kind, size=int(host.sum())).reshape(-1)
 
     def chunk_counts(self, chunks: torch.Tensor, dev: torch.device) -> torch.Tensor:
         """The changed counts of ``chunks`` (from :meth:`chunks`), on ``dev``."""
-        if self.table is None:
+        table = self.table()
+        if table is None:
             return _to(self.counts[chunks.cpu()], dev)
-        return self.table[:, 1][chunks]
+        return table[:, 1][chunks]
 
 
 def _device_table(payload: torch.Tensor, num_chunks: int) -> torch.Tensor | None:
@@ -525,7 +530,7 @@ def _parse(payload: torch.Tensor, numel: int, dtype: torch.dtype, head: np.ndarr
     int_dtype = _INT_OF_SIZE[item] if dtype != torch.bool else torch.uint8
     bitmask, offsets, sparse, plain = regions
     return _Parsed(chunk_elems, num_chunks, form, counts, (bitmask, offsets, sparse.view(int_dtype), plain.view(int_dtype)),
-                   _device_table(payload, num_chunks))
+                   payload)
 
 
 def delta_stats(payload: torch.Tensor, numel: int, dtype: torch.dtype) -> DeltaStats:
