@@ -130,12 +130,9 @@ def _gb(n: int | None) -> str:
     return "-" if n is None else f"{n / 1e9:.2f}"
 
 
-def _ms(v: float | None) -> str:
-    """A time in ms, or '-' for results written before the column existed."""
+def _num(v: float | None) -> str:
+    """A time in ms or a ratio, two decimals; '-' for results written before the column existed."""
     return "-" if v is None else f"{v:.2f}"
-
-
-_ratio = _ms  # the same two decimals; '-' where an older result lacks the value
 
 
 def write_report(result: dict[str, Any], tag: str) -> Path:
@@ -187,8 +184,8 @@ def write_report(result: dict[str, Any], tag: str) -> Path:
             lines.append(
                 f"| {q['quantization']} | {q.get('dequant', 'default')} | {q['tokens']} | "
                 f"{q['resident_ms']:.2f} | {q['resident_q_ms']:.2f} | "
-                f"{q['ours_q_ms']:.2f} | {q['ours_q_ratio']:.2f} | {_ms(q.get('h2d_all_ms'))} | "
-                f"{_ms(q.get('stream_bound_ms'))} | {_ratio(q.get('ours_q_vs_stream_bound'))} | "
+                f"{q['ours_q_ms']:.2f} | {q['ours_q_ratio']:.2f} | {_num(q.get('h2d_all_ms'))} | "
+                f"{_num(q.get('stream_bound_ms'))} | {_num(q.get('ours_q_vs_stream_bound'))} | "
                 f"{q['bound_ratio']:.2f} | "
                 f"{q['ours_q_vs_bound']:.2f} | {'-' if vs_dlo is None else f'{vs_dlo:.2f}'} | "
                 f"{q['block_bytes'] / 1e6:.1f} | {q['block_bytes_vs_dense']:.3f} | "

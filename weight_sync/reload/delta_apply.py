@@ -340,11 +340,6 @@ class InPlaceUpdate:
             self.applier.absmax.pop((t.layer, t.tensor), None)  # of the old copy: made again at the next delta
             self.recorded.add((t.layer, t.tensor))
 
-    def apply(self, name: str, payload: torch.Tensor, meta_numel: int, dtype: torch.dtype,
-              targets: tuple[Target, ...]) -> None:
-        """Decode one tensor's delta and write it in place along ``targets``."""
-        self.apply_many([(name, payload, meta_numel, dtype, targets)])
-
     def apply_many(self, items: list[tuple[str, torch.Tensor, int, torch.dtype, tuple[Target, ...]]]) -> None:
         """Decode the deltas of several tensors (one bucket), check them all, then write them in place.
 
@@ -391,7 +386,8 @@ class InPlaceUpdate:
         by_method: dict[Any, tuple[Any, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]] = {}
         for key, (method, base, q, s) in self._whole.items():
             by_method.setdefault((type(method), method.config), (method, []))[1].append((base, q, s))
-            # Whatever absmax state a tile write of this weight kept, the new scales supersede it.
+            # Whatever absmax state a tile write of this weight kept, the new scales supersede it (made
+            # again from them when next needed).
             self.applier.absmax.pop(key, None)
         self._whole.clear()
         for method, group in by_method.values():
@@ -419,17 +415,14 @@ class InPlaceUpdate:
             r[i] = new
             old = torch.from_numpy(old_np)
             change = torch.from_numpy(_checksum_change_np((i + t.dst_offset) * size, old_np, new, size))
+            self._sum_changes.setdefault(id(live), []).append(change)
         else:
             old = region[idx]
             region[idx] = v
             # Its checksum move is computed with the bucket's other writes of this item size (flush).
             self._sum_writes.setdefault(size, []).append((id(live), (idx + t.dst_offset) * size, old, v))
-            if self.session.rollback:
-                self._element_snaps.append((region, idx, old))
-            return
         if self.session.rollback:
             self._element_snaps.append((region, idx, old))
-        self._sum_changes.setdefault(id(live), []).append(change)
 
     def _requantize(self, info: LayerInfo, t: Target, idx: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> None:
         mod = info.module
@@ -458,8 +451,7 @@ class InPlaceUpdate:
             # Once a weight waits here, later keys of it (q, k, v of one fused qkv) wait too: the tile
             # path's absmax state describes the copy as its scales do, which the written changes left.
             base.view(-1)[at.to(base.device)] = v.view(dtype).to(base.device, base.dtype)
-            self._whole[key] = (method, base, q.detach(), s.detach())
-            self.applier.absmax.pop(key, None)  # made again from the new scales when next needed
+            self._whole[key] = (method, base, q.detach(), s.detach())  # flush() drops its absmax state
             self.num_requantized += 1
             self.num_whole += 1
             return

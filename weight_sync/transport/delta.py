@@ -31,6 +31,7 @@ the per-chunk table. Limitations: chunks below 2**31 elements, dtypes of item si
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,6 +51,7 @@ __all__ = [
     "changed_mask",
     "copy_changed_",
     "decode_delta",
+    "decode_parsed",
     "delta_stats",
     "encode_delta",
     "encode_delta_with_positions",
@@ -204,10 +206,7 @@ def encode_delta_with_positions(
     """:func:`encode_delta` and the sorted flat int64 positions whose bytes changed (on ``new``'s
     device): what a sender needs to move its own base to ``new`` without decoding (``base_int[pos] =
     new_int[pos]``, see :func:`copy_changed_`)."""
-    _check_chunk_elems(chunk_elems)
-    _check_pair(new, base)
-    vals = _as_int(new.detach().contiguous())
-    old = _as_int(base.detach().contiguous().to(new.device))
+    vals, old = _int_views(new, base, chunk_elems)
     if vals.device.type == "cpu":
         out_np, pos_np = _encode_cpu(vals.numpy(), old.numpy(), chunk_elems, new.dtype.itemsize)
         return torch.from_numpy(out_np), torch.from_numpy(pos_np)
@@ -237,21 +236,21 @@ def encode_deltas_with_positions(
         if new.device.type == "cpu":
             out[i] = encode_delta_with_positions(new, base, chunk_elems=chunk_elems)
         else:
-            _check_chunk_elems(chunk_elems)
-            _check_pair(new, base)
             batches.setdefault(new.device, []).append(i)
     for at in batches.values():
-        views = [(_as_int(pairs[i][0].detach().contiguous()),
-                  _as_int(pairs[i][1].detach().contiguous().to(pairs[i][0].device)), pairs[i][0].dtype.itemsize)
-                 for i in at]
+        views = [(*_int_views(*pairs[i], chunk_elems), pairs[i][0].dtype.itemsize) for i in at]
         for i, enc in zip(at, _encode_torch_many(views, chunk_elems)):
             out[i] = enc
     return [o for o in out if o is not None]
 
 
-def _check_chunk_elems(chunk_elems: int) -> None:
+def _int_views(new: torch.Tensor, base: torch.Tensor, chunk_elems: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``new`` and ``base`` (moved to ``new``'s device) as flat integer views, once the arguments of an
+    encoding are checked."""
     if chunk_elems < 8 or chunk_elems % 8 or chunk_elems >= 1 << 31:
         raise ConfigError(f"chunk_elems must be a positive multiple of 8 below 2**31, got {chunk_elems}")
+    _check_pair(new, base)
+    return _as_int(new.detach().contiguous()), _as_int(base.detach().contiguous().to(new.device))
 
 
 def _encode_torch_many(pairs: list[tuple[torch.Tensor, torch.Tensor, int]], ce: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -420,35 +419,34 @@ def copy_changed_(base: torch.Tensor, new: torch.Tensor, positions: torch.Tensor
     dst[positions.to(dst.device)] = src[positions.to(src.device)].to(dst.device)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class _Parsed:
     chunk_elems: int
     num_chunks: int
     form: torch.Tensor  # int64 per chunk, on the host (the table is read there anyway)
     counts: torch.Tensor
     regions: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # bitmask, offsets, sparse, plain
-    payload: torch.Tensor | None = None  # the encoding itself (its table, read in place: table())
+    payload: torch.Tensor | None = None  # the encoding itself (its table, read in place: table)
 
+    @functools.cached_property
     def table(self) -> torch.Tensor | None:
-        """The chunk table read in place on the payload's device, int64 (num_chunks, 2); None where the
-        payload's bytes are not 4-byte aligned. Device decoders take their chunk lists from it: a host
-        list would be one more (pageable, so blocking) copy to the device per tensor."""
+        """The chunk table read in place on the payload's device, int64 (num_chunks, 2), made once; None
+        where the payload's bytes are not 4-byte aligned. Device decoders take their chunk lists from
+        it: a host list would be one more (pageable, so blocking) copy to the device per tensor."""
         return None if self.payload is None else _device_table(self.payload, self.num_chunks)
 
     def chunks(self, kind: int, dev: torch.device) -> torch.Tensor:
         """The chunk numbers of form ``kind``, ascending, on ``dev`` (no device sync)."""
         host = self.form == kind
-        table = self.table()
-        if table is None:
+        if self.table is None:
             return _to(host.nonzero().reshape(-1), dev)
-        return torch.nonzero_static(table[:, 0] == kind, size=int(host.sum())).reshape(-1)
+        return torch.nonzero_static(self.table[:, 0] == kind, size=int(host.sum())).reshape(-1)
 
     def chunk_counts(self, chunks: torch.Tensor, dev: torch.device) -> torch.Tensor:
         """The changed counts of ``chunks`` (from :meth:`chunks`), on ``dev``."""
-        table = self.table()
-        if table is None:
+        if self.table is None:
             return _to(self.counts[chunks.cpu()], dev)
-        return table[:, 1][chunks]
+        return self.table[:, 1][chunks]
 
 
 def _device_table(payload: torch.Tensor, num_chunks: int) -> torch.Tensor | None:
@@ -624,8 +622,12 @@ def decode_delta(payload: torch.Tensor, numel: int, dtype: torch.dtype, *, head:
     ``values`` at ``positions`` into the base gives the new tensor: what an engine that applies deltas
     in place (``weight_sync.reload.delta_apply``) does, into live storage or a model-format copy.
     """
-    dev = payload.device
-    p = _parse(payload, numel, dtype, head)
+    return decode_parsed(_parse(payload, numel, dtype, head), numel, payload.device, checks)
+
+
+def decode_parsed(p: _Parsed, numel: int, dev: torch.device,
+                  checks: Checks | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`decode_delta` of a payload already parsed (``_parse``), on ``dev``."""
     sparse, plain = p.regions[2], p.regions[3]
     bpos, ipos = _sparse_positions(p, numel, dev, checks)
     if not plain.numel():

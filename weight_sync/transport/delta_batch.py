@@ -28,10 +28,12 @@ from weight_sync.transport.delta import (
     FORM_PLAIN,
     Checks,
     _bits,
-    _offset_bytes,
+    _divmod,
     _parse,
     _Parsed,
+    _unpack_offsets,
     decode_delta,
+    decode_parsed,
     raise_failed,
     read_heads,
 )
@@ -48,15 +50,12 @@ class _Item:
     n_index: int  # changes in index chunks
 
 
-def decode_deltas(items: list[tuple[torch.Tensor, int, torch.dtype]],
-                  checks: Checks | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def decode_deltas(items: list[tuple[torch.Tensor, int, torch.dtype]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """:func:`~weight_sync.transport.delta.decode_delta` of every ``(payload, numel, dtype)``: the same
-    (positions, values) per payload, in order. Payloads on the host decode one by one (numpy's decode
-    has no launches to save); those on a device are decoded together per chunk size.
-
-    ``checks``: as for ``decode_delta``, a list that takes the device checks for the caller to read back
-    (:func:`~weight_sync.transport.delta.raise_failed`) before any write; without it they are read here.
-    A failed batch check is re-run payload by payload so the error names the payload's problem.
+    (positions, values) per payload, in order, every payload checked before this returns. Payloads on
+    the host decode one by one (numpy's decode has no launches to save); those on a device are decoded
+    together per chunk size, their checks read back once. A failed batch check is re-run payload by
+    payload so the error names the payload's problem.
     """
     out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(items)
     on_device: dict[torch.device, list[int]] = {}
@@ -69,9 +68,7 @@ def decode_deltas(items: list[tuple[torch.Tensor, int, torch.dtype]],
     for dev, at in on_device.items():
         for i, decoded in zip(at, decode_together([items[i] for i in at], dev, own)):
             out[i] = decoded
-    if checks is not None:
-        checks += own
-    elif own:
+    if own:
         try:
             raise_failed(own)
         except Exception:
@@ -91,7 +88,7 @@ def decode_together(items: list[tuple[torch.Tensor, int, torch.dtype]], dev: tor
     for i, ((payload, numel, dtype), head) in enumerate(zip(items, read_heads([(t, n) for t, n, _ in items]))):
         p = _parse(payload, numel, dtype, head)
         if bool((p.form == FORM_PLAIN).any()):
-            out[i] = decode_delta(payload, numel, dtype, head=head, checks=checks)
+            out[i] = decode_parsed(p, numel, dev, checks)
             continue
         is_bm, is_ix = p.form == FORM_BITMASK, p.form == FORM_INDEX
         groups.setdefault(p.chunk_elems, []).append(
@@ -127,14 +124,14 @@ def _decode_group(group: list[_Item], ce: int, dev: torch.device, checks: Checks
         hit = torch.nonzero_static(bits, size=total_bits).reshape(-1)
         checks.append((bits.sum() != total_bits, f"the bitmasks of a bucket hold a different number of changes "
                                                  f"than their tables' {total_bits}"))
-        g = hit.clamp(min=0) >> (ce.bit_length() - 1) if ce & (ce - 1) == 0 else hit.clamp(min=0) // ce
-        bpos_all = bm_chunk[g] * ce + (hit & (ce - 1) if ce & (ce - 1) == 0 else hit % ce)
+        g, within = _divmod(hit.clamp(min=0), ce)
+        bpos_all = bm_chunk[g] * ce + within
 
     ipos_all = empty
     total_index = sum(it.n_index for it in group)
     if total_index:
         raw = torch.cat([it.parsed.regions[1] for it in group if it.parsed.regions[1].numel()])
-        off = raw.view(torch.int16).to(torch.int64) + 32768 if _offset_bytes(ce) == 2 else raw.view(torch.int32).to(torch.int64)
+        off = _unpack_offsets(raw, ce)
         if ce < 1 << 16:
             checks.append(((off >= ce).any(), f"an index offset is outside its chunk of {ce} elements"))
         ipos_all = torch.repeat_interleave(ix_chunk, ix_count, output_size=total_index) * ce + off
