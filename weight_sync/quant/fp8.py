@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -243,6 +244,32 @@ def tabled_fp8_bands(targets: list[tuple[torch.Tensor, torch.Tensor]], shapes: l
     return GroupedBands(targets, shapes, dtype, config.granularity, config.block_size, FP8_MAX, _EPS)
 
 
+# (granularity, block size) -> the (quantize, table) pair of RowBands for it (see band_functions).
+_BAND_FUNCTIONS: dict[tuple[str, tuple[int, ...]], tuple[Callable[..., None], Callable[..., Any]]] = {}
+
+
+def band_functions(config: Fp8Config) -> tuple[Callable[..., None], Callable[..., Any]]:
+    """``RowBands.quantize`` and ``RowBands.table`` for block or channel scales of ``config``.
+
+    One pair per granularity and block size (all the band kernels read of a configuration): reload
+    batches the bands of equal ``quantize`` callables, and every layer has its own method object, so
+    bound methods would split a bucket's bands into one launch per layer tensor (~4 per decoder layer)
+    where one per kernel shape does.
+    """
+    key = (config.granularity, tuple(config.block_size))
+    fns = _BAND_FUNCTIONS.get(key)
+    if fns is None:
+        def quantize(items: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+            quantize_fp8_bands(items, config)
+
+        def table(targets: list[tuple[torch.Tensor, torch.Tensor]], shapes: list[tuple[int, int]],
+                  dtype: torch.dtype) -> Any:
+            return tabled_fp8_bands(targets, shapes, dtype, config)
+
+        fns = _BAND_FUNCTIONS[key] = (quantize, table)
+    return fns
+
+
 _PER_TENSOR = Fp8Config(granularity="tensor")
 
 
@@ -359,8 +386,9 @@ class Fp8LinearMethod(OnlineQuantLinearMethod):
         if granularity == "tensor":
             return RowBands(align=1, target=self._band_target, quantize=quantize_fp8_matrix_bands,
                             matrix_rows=shape[0])
+        quantize, table = band_functions(self.config)
         return RowBands(align=self.config.block_size[0] if granularity == "block" else 1,
-                        target=self._band_target, quantize=self.quantize_bands, table=self.tabled_bands)
+                        target=self._band_target, quantize=quantize, table=table)
 
     def _band_target(self, layer: nn.Module, matrix: int, row: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         end = row + rows
@@ -374,11 +402,6 @@ class Fp8LinearMethod(OnlineQuantLinearMethod):
     def quantize_bands(self, items: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
         """Quantize each (src, q, s) into its views (one grouped launch on CUDA)."""
         quantize_fp8_bands(items, self.config)
-
-    def tabled_bands(self, targets: list[tuple[torch.Tensor, torch.Tensor]], shapes: list[tuple[int, int]],
-                     dtype: torch.dtype) -> Any:
-        """:meth:`quantize_bands` into fixed targets, made ready once (see :func:`tabled_fp8_bands`)."""
-        return tabled_fp8_bands(targets, shapes, dtype, self.config)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         q, scale = layer_tensor(layer, "weight"), layer_tensor(layer, "weight_scale")

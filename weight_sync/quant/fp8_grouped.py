@@ -4,9 +4,12 @@ A reload quantizing key by key (``weight_sync.reload.bands``) asks for hundreds 
 per bucket - every expert's gate, up and down slice of a MoE model, every q/k/v/o of a dense one - and
 each launch of :func:`~weight_sync.quant.fp8_triton.quantize_fp8_fused` costs tens of microseconds of
 host time in Triton's dispatcher, more than the kernel itself for an expert's slice. Here the weights of
-one call are described in one int64 table (pointers, sizes, strides, scale groups) copied to the device
-once, and one program per (scale group, weight) runs the fused kernel's body on the weight it reads from
-the table: the same arithmetic on the same groups, bitwise the same bytes, one launch per kernel shape.
+one call are described in one int64 table (pointers, sizes, strides, scale groups, first program)
+copied to the device once, and one program per scale group of every weight - a flat grid, each program
+reading its weight from an owner map - runs the fused kernel's body on the weight it reads from the
+table: the same arithmetic on the same groups, bitwise the same bytes, one launch per kernel shape. (A
+grid of (most groups, weights) left ~45% of a dense layer's programs idle: its k/v bands have 1/12
+of the groups of its MLP weights.)
 """
 
 from __future__ import annotations
@@ -31,15 +34,15 @@ def _kernel() -> Any:
     import triton.language as tl
 
     @triton.jit
-    def fused_grouped(desc_ptr, w0, q0, s0, eps_bits, fmax, BM: tl.constexpr, BK: tl.constexpr,
+    def fused_grouped(desc_ptr, owner_ptr, w0, q0, s0, eps_bits, fmax, BM: tl.constexpr, BK: tl.constexpr,
                       PER_ROW: tl.constexpr, ONE_PASS: tl.constexpr, ALIGNED: tl.constexpr):
-        # Program (pid, b): scale group pid of weight b, as program pid of `fused` (fp8_triton.py) for
-        # that weight alone; w0/q0/s0 (the first weight's tensors) only give the element types.
-        b = tl.program_id(1)
-        pid = tl.program_id(0)
+        # Program p: scale group p - first[b] of weight b = owner[p], as program p - first[b] of `fused`
+        # (fp8_triton.py) for that weight alone; w0/q0/s0 (the first weight's tensors) only give the
+        # element types. A flat grid: no program idles, however unequal the weights.
+        p = tl.program_id(0)
+        b = tl.load(owner_ptr + p)
         d = desc_ptr + b * 12
-        if pid >= tl.load(d + 11):
-            return
+        pid = p - tl.load(d + 11)
         w_ptr = tl.load(d).to(tl.pointer_type(w0.dtype.element_ty))
         q_ptr = tl.load(d + 1).to(tl.pointer_type(q0.dtype.element_ty))
         s_ptr = tl.load(d + 2).to(tl.pointer_type(s0.dtype.element_ty))
@@ -116,6 +119,7 @@ def quantize_fp8_grouped(
     if not items:
         return
     groups: dict[tuple, list[int]] = {}
+    counts: dict[tuple, list[int]] = {}
     first: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
     for item in items:
         w, q, s = item
@@ -126,9 +130,11 @@ def quantize_fp8_grouped(
                    and q.stride(0) % 16 == 0 and k % 16 == 0 and g.group_cols % 16 == 0)
         key = (g.bm, g.bk, g.per_row, g.chunks == 1, g.num_warps, w.dtype, aligned)
         first.setdefault(key, item)
+        sizes = counts.setdefault(key, [])
         groups.setdefault(key, []).extend((w.data_ptr(), q.data_ptr(), s.data_ptr(), n, k, w.stride(0),
                                            q.stride(0), g.group_rows, g.group_cols, g.col_groups, g.chunks,
-                                           g.groups))
+                                           sum(sizes)))
+        sizes.append(g.groups)
     kernel = _kernel()
     eps_bits = _f32_bits(eps)
     device = items[0][0].device
@@ -137,9 +143,22 @@ def quantize_fp8_grouped(
             bm, bk, per_row, one_pass, warps, _, aligned = key
             w0, q0, s0 = first[key]
             table = launch_table(rows, device)
-            count, most = len(rows) // 12, max(rows[11::12])
-            kernel[(most, count)](table, w0, q0, s0, eps_bits, fmax, BM=bm, BK=bk, PER_ROW=per_row,
-                                  ONE_PASS=one_pass, ALIGNED=aligned, num_warps=warps, enable_fp_fusion=False)
+            owner, programs = owner_map(counts[key], device)
+            kernel[(programs,)](table, owner, w0, q0, s0, eps_bits, fmax, BM=bm, BK=bk, PER_ROW=per_row,
+                                ONE_PASS=one_pass, ALIGNED=aligned, num_warps=warps, enable_fp_fusion=False)
+
+
+def owner_map(counts: Sequence[int], device: torch.device) -> tuple[torch.Tensor, int]:
+    """(int32 tensor on ``device`` giving, for every program of a flat grid, the index of the weight it
+    works on - ``counts[b]`` programs for weight ``b``, in order -, the number of programs).
+
+    Copied from pinned memory without waiting, in stream order before the launch, as :func:`launch_table`.
+    """
+    sizes = torch.tensor(counts, dtype=torch.int64)
+    owner = torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int32), sizes)
+    if device.type == "cuda":
+        owner = owner.pin_memory().to(device, non_blocking=True)
+    return owner, int(sizes.sum())
 
 
 _data_ptr = methodcaller("data_ptr")
@@ -166,21 +185,22 @@ class GroupedBands:
         self.device = targets[0][0].device if targets else torch.device("cpu")
         self.fmax = fmax
         self.eps_bits = _f32_bits(eps)
-        rows: dict[tuple, tuple[list[int], list[int]]] = {}
+        rows: dict[tuple, tuple[list[int], list[int], list[int]]] = {}
         for i, ((q, s), (n, k)) in enumerate(zip(targets, shapes, strict=True)):
             g = fused_geometry(n, k, granularity, block_size)
             aligned = q.data_ptr() % 16 == 0 and q.stride(0) % 16 == 0 and k % 16 == 0 and g.group_cols % 16 == 0
             key = (g.bm, g.bk, g.per_row, g.chunks == 1, g.num_warps, dtype, aligned)
-            idx, table = rows.setdefault(key, ([], []))
+            idx, table, counts = rows.setdefault(key, ([], [], []))
             idx.append(i)
             table.extend((0, q.data_ptr(), s.data_ptr(), n, k, k, q.stride(0), g.group_rows, g.group_cols,
-                          g.col_groups, g.chunks, g.groups))
+                          g.col_groups, g.chunks, sum(counts)))
+            counts.append(g.groups)
         # Per kernel shape: (key, its first item's index and (q, s) - they type the kernel's pointers -,
         # its items' indices (None: all), the [count, 12] host table with the source column zero, the
-        # most scale groups of one of its weights).
+        # flat grid's owner map on the device (fixed with the targets: made once) and its program count).
         self.groups = [(key, idx[0], targets[idx[0]], None if len(idx) == self.n else torch.tensor(idx, dtype=torch.int64),
-                        torch.tensor(table, dtype=torch.int64).view(-1, 12), max(table[11::12]))
-                       for key, (idx, table) in rows.items()]
+                        torch.tensor(table, dtype=torch.int64).view(-1, 12), *owner_map(counts, self.device))
+                       for key, (idx, table, counts) in rows.items()]
 
     def launch(self, srcs: Sequence[torch.Tensor]) -> bool:
         """Quantize ``srcs[i]`` (of the shape and dtype given at construction) into target ``i``; False,
@@ -195,15 +215,15 @@ class GroupedBands:
         kernel = _kernel()
         column = torch.tensor(ptrs, dtype=torch.int64)
         with _launch_device(srcs[0]):
-            for key, i0, (q0, s0), idx, base, most in self.groups:
+            for key, i0, (q0, s0), idx, base, owner, programs in self.groups:
                 bm, bk, per_row, one_pass, warps, _, aligned = key
                 table = torch.empty(base.shape, dtype=torch.int64, pin_memory=self.device.type == "cuda")
                 table.copy_(base)
                 table[:, 0] = column if idx is None else column[idx]
                 dev_table = table.to(self.device, non_blocking=True) if self.device.type == "cuda" else table
-                kernel[(most, base.shape[0])](dev_table, srcs[i0], q0, s0, self.eps_bits, self.fmax,
-                                         BM=bm, BK=bk, PER_ROW=per_row, ONE_PASS=one_pass, ALIGNED=aligned,
-                                         num_warps=warps, enable_fp_fusion=False)
+                kernel[(programs,)](dev_table, owner, srcs[i0], q0, s0, self.eps_bits, self.fmax,
+                                    BM=bm, BK=bk, PER_ROW=per_row, ONE_PASS=one_pass, ALIGNED=aligned,
+                                    num_warps=warps, enable_fp_fusion=False)
         return True
 
 

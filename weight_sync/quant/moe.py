@@ -38,11 +38,11 @@ from weight_sync.quant.fp8 import (
     Fp8Config,
     _absmax,
     _scale,
+    band_functions,
     dequantize_fp8,
     quantize_fp8,
     quantize_fp8_bands,
     quantize_fp8_matrix_bands,
-    tabled_fp8_bands,
 )
 from weight_sync.quant.online import (
     RELOAD_TARGETS,
@@ -205,16 +205,12 @@ class Fp8FusedMoEMethod(FusedMoEMethod):
 
         if per_tensor:
             return RowBands(align=1, target=target, quantize=quantize_fp8_matrix_bands, matrix_rows=shape[1])
-        return RowBands(align=bn, target=target, quantize=self.quantize_bands, table=self.tabled_bands)
+        quantize, table = band_functions(self.config)
+        return RowBands(align=bn, target=target, quantize=quantize, table=table)
 
     def quantize_bands(self, items: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
         """Quantize each expert band (src, q, s) into its views (one grouped launch on CUDA)."""
         quantize_fp8_bands(items, self.config)
-
-    def tabled_bands(self, targets: list[tuple[torch.Tensor, torch.Tensor]], shapes: list[tuple[int, int]],
-                     dtype: torch.dtype) -> Any:
-        """:meth:`quantize_bands` into fixed targets, made ready once (see ``tabled_fp8_bands``)."""
-        return tabled_fp8_bands(targets, shapes, dtype, self.config)
 
     def expert_weights(
         self, layer: nn.Module, expert: int, dtype: torch.dtype
