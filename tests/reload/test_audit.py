@@ -58,8 +58,22 @@ def _rebind_attribute(net: Net) -> None:
     net.layers[1].workspace = torch.zeros(8)
 
 
+def _replace_top_module(net: Net) -> None:
+    net.head = nn.Linear(4, 2, bias=False)
+
+
+def _set_nested_parameter(net: Net) -> None:
+    with torch.no_grad():
+        net.layers[0].weight.set_(torch.zeros(4, 4))  # same object, same shape: only its storage moved
+
+
+def _shadow_attribute(net: Net) -> None:
+    net.layers[1]._parameters["workspace"] = nn.Parameter(torch.zeros(8))  # found before the attribute
+
+
 @pytest.mark.parametrize("move", [_rebind_parameter, _swap_storage, _resize_in_place, _replace_module,
-                                  _rebind_attribute])
+                                  _rebind_attribute, _replace_top_module, _set_nested_parameter,
+                                  _shadow_attribute])
 def test_a_tensor_moved_while_the_update_is_open_fails_the_finish(move: Callable[[Net], None]) -> None:
     net = Net()
     record_metadata_for_reloading(net)

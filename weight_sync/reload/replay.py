@@ -11,8 +11,9 @@ the destination of every key, the layout each key arrived in and the layers it w
 the same order arrives, the session checks each piece's tensors against that record (a tensor, same
 shape, same dtype, same device), checks the manifest's announcement of them and that no key arrived
 earlier in the update, and only then writes the piece: big copies one by one, as the hot path launches
-them, the others in one grouped copy (``grouped_copy.CopyGroup``), band quantizations as one grouped
-launch per method and shape - all of which the device runs while the host checks the next piece. Bands
+them but alternated over two streams (``reload/lanes.py``), the others in one grouped copy
+(``grouped_copy.CopyGroup``), band quantizations as one grouped launch per method and shape - all of
+which the device runs while the host checks the next piece. Bands
 of one-scale matrices (per-tensor fp8) wait for each other across keys and are not recorded. Anything
 else - another layout, a name announced otherwise, a cached view rebuilt since (pointers moved), a
 duplicate - and the per-key path takes over from that piece on, which loads what is valid and raises
@@ -33,6 +34,7 @@ import torch
 
 from weight_sync.reload.bands import band_target
 from weight_sync.reload.grouped_copy import CopyGroup
+from weight_sync.reload.lanes import copy_pairs
 from weight_sync.reload.plan import dst_view
 from weight_sync.reload.writes import SMALL_COPY_BYTES
 
@@ -211,8 +213,8 @@ def replay_list(session: Any, items: Sequence[tuple[str, torch.Tensor]], names: 
             return a
         for layer in piece.layers:
             prepare(layer)  # the rollback snapshot of a layer before its first write
-        for dst, i in piece.big:
-            dst.copy_(tensors[i])
+        if piece.big:
+            copy_pairs([(dst, tensors[i]) for dst, i in piece.big], rec.device)
         if piece.small_src:
             piece.small.copy(list(map(tensors.__getitem__, piece.small_src)))
         if piece.bands:

@@ -1,0 +1,44 @@
+"""A replayed piece's big copies on two streams, so the device never idles between two of them.
+
+Copies launched back to back on one stream leave the device idle at every boundary while one kernel
+drains and the next one fills the GPU (~2.5 us each on an H200): an 8B dense model's 254 big copies lost
+0.65 ms to it, 8.81 ms against 8.16 ms for the same copies alternated over two streams (one device copy
+of the same bytes as one tensor: 7.89 ms). Alternating, one stream's copy runs while the other's drains.
+
+Ordering: the side stream first waits for the current one, so the sources - and the rollback snapshot
+of every layer the piece writes, taken just before - are ready before any copy reads or overwrites
+them; the current stream then waits for the side stream, so everything the caller or the session does
+next on it (reuse a source, the next piece, a rollback, the checksum or fingerprint at finish) comes
+after every copy. The side stream is made once per device; the waits cost no host synchronization.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["copy_pairs"]
+
+_SIDE: dict[int, torch.cuda.Stream] = {}
+
+
+def copy_pairs(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], device: int) -> None:
+    """``dst.copy_(src)`` for every ``(dst, src)``, all on CUDA device ``device`` (-1: host memory),
+    alternately on the current stream and a side stream there (one stream off CUDA or for one copy)."""
+    if device < 0 or len(pairs) < 2:
+        for dst, src in pairs:
+            dst.copy_(src)
+        return
+    current = torch.cuda.current_stream(device)
+    side = _SIDE.get(device)
+    if side is None:
+        side = _SIDE[device] = torch.cuda.Stream(device)
+    side.wait_stream(current)
+    for i, (dst, src) in enumerate(pairs):
+        if i % 2:
+            with torch.cuda.stream(side):
+                dst.copy_(src)
+        else:
+            dst.copy_(src)
+    current.wait_stream(side)
