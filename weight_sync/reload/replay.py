@@ -13,9 +13,10 @@ shape, same dtype, same device), checks the manifest's announcement of them and 
 earlier in the update, and only then writes the piece: big copies one by one, as the hot path launches
 them but alternated over two streams (``reload/lanes.py``), the others in one grouped copy
 (``grouped_copy.CopyGroup``), band quantizations as one grouped launch per method and shape - all of
-which the device runs while the host checks the next piece. Bands
-of one-scale matrices (per-tensor fp8) wait for each other across keys and are not recorded. Anything
-else - another layout, a name announced otherwise, a cached view rebuilt since (pointers moved), a
+which the device runs while the host checks the next piece. Bands of one-scale matrices (per-tensor
+fp8: a fused qkv, an expert's gate and up) are recorded when each matrix is whole within the list; a
+piece then ends only where no matrix is open, so each goes to its method with all of its rows at once
+(absmax first, as the write queue hands them over). Anything else - another layout, a name announced otherwise, a cached view rebuilt since (pointers moved), a
 duplicate - and the per-key path takes over from that piece on, which loads what is valid and raises
 the precise error for what is not. So every guarantee of the per-key path holds (manifest first,
 duplicates refused, layers snapshotted before their first write); the record only skips the work that
@@ -122,6 +123,9 @@ def record_list(session: Any, items: Sequence[tuple[str, torch.Tensor]], names: 
     size = min(FIRST_PIECE_KEYS, PIECE_KEYS)
     bands: dict[tuple[Callable[..., None], torch.dtype],
                 tuple[list[int], list[torch.Tensor], list[torch.Tensor], list[tuple[int, int]], Any]] = {}
+    # One-scale matrices (per-tensor scales) with rows still to come, by their scale view's data_ptr:
+    # rows missing. A piece ends only where none is open, so each is quantized whole by its piece.
+    open_rows: dict[int, int] = {}
     banded = session._banded
     for i, (name, tensor) in enumerate(items):
         entry = views.get(name)
@@ -137,17 +141,24 @@ def record_list(session: Any, items: Sequence[tuple[str, torch.Tensor]], names: 
             layer_bands = banded.get(op.layer) if banded else None
             band = layer_bands.get(op.tensor) if layer_bands is not None else None
             if band is not None:
-                # Quantized band by band into the live kernel tensors. Not recorded: one-scale matrices
-                # (their bands wait for each other), part of a key, or a source the band writer would
-                # first convert (another dtype than the model format's, another device).
+                # Quantized band by band into the live kernel tensors. Not recorded: part of a key, or a
+                # source the band writer would first convert (another dtype than the model format's,
+                # another device), or a one-scale matrix not whole within the list.
                 info = session.state.layers[op.layer]
-                if (band.matrix_rows or not op.src_whole or tensor.dim() != 2
-                        or info.records[op.tensor].dtype is not tensor.dtype):
+                if not op.src_whole or tensor.dim() != 2 or info.records[op.tensor].dtype is not tensor.dtype:
                     return
                 q, sc = band_target(info, band, op)
                 if q.get_device() != device or q.data_ptr() in written:
                     return
                 written.add(q.data_ptr())
+                if band.matrix_rows:
+                    left = open_rows.get(sc.data_ptr(), band.matrix_rows) - tensor.shape[0]
+                    if left < 0:
+                        return
+                    if left:
+                        open_rows[sc.data_ptr()] = left
+                    else:
+                        open_rows.pop(sc.data_ptr(), None)
                 idx, qs, ss, shapes_of, _ = bands.setdefault((band.quantize, tensor.dtype), ([], [], [], [], band.table))
                 idx.append(i)
                 qs.append(q)
@@ -173,7 +184,9 @@ def record_list(session: Any, items: Sequence[tuple[str, torch.Tensor]], names: 
         shapes.append(tensor.shape)
         dtypes.append(tensor.dtype)
         nbytes += tensor.nbytes
-        if i + 1 - start == size or i + 1 == len(items):
+        if (i + 1 - start >= size and not open_rows) or i + 1 == len(items):
+            if open_rows:
+                return  # a one-scale matrix's other rows are not in this list
             pieces.append(Piece(start, i + 1, tuple(big), CopyGroup(small), tuple(small_src), tuple(layers), nbytes,
                                 tuple(_band_group(fn, dtype, *group) for (fn, dtype), group in bands.items())))
             big, small, small_src, layers, nbytes, start, bands = [], [], [], {}, 0, i + 1, {}
