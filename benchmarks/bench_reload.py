@@ -42,9 +42,9 @@ from weight_sync.layers import order_by_block
 from weight_sync.quant import resolve_quantization
 from weight_sync.testing import hf_config, random_weights
 
-FORMATS = {"bf16": None, "fp8": "fp8", "fp8_block": "fp8_block"}
-BOUND_NOTE = ("Bound per format, from the same run: bf16 one device copy; fp8_block what the engine holds "
-              "in fp8 read once and written once as fp8 (a bf16 -> fp8 cast copy of as many elements, one "
+FORMATS = {"bf16": None, "fp8": "fp8", "fp8_block": "fp8_block", "fp8_channel": "fp8_per_channel"}
+BOUND_NOTE = ("Bound per format, from the same run: bf16 one device copy; fp8_block and fp8_channel what the "
+              "engine holds in fp8 read once and written once as fp8 (a bf16 -> fp8 cast copy of as many elements, one "
               "launch on <= 512 M elements, scaled) plus a device copy of the rest; fp8 (per-tensor scales, "
               "which need the absmax first) 5/3 of that cast copy plus the rest (issue 15's two-read bound).")
 

@@ -63,7 +63,7 @@ for phase in "${phases[@]}"; do
         tests/reload/test_cuda_reload.py tests/engine/test_moe_cuda.py -m gpu -q -p no:cacheprovider -rs ;;
     reload8b)
       step bench_reload_8b 90 python3 benchmarks/bench_reload.py --device cuda --preset qwen3-8b --tag h200_qwen3-8b \
-        --repeats 3 --formats bf16,fp8,fp8_block --small-layers 2000 ;;
+        --repeats 3 --formats bf16,fp8,fp8_block,fp8_channel --small-layers 2000 ;;
     offload_fp8)  # issue 19: fp8-streamed blocks against their bound and the bf16 DLO time, same run
       step bench_offload_fp8 180 python3 benchmarks/bench_offload.py --quantization fp8_block \
         --tokens 1024 4096 16384 --tag h200_fp8 ;;
