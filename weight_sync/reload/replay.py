@@ -1,26 +1,25 @@
 """A repeated list of keys into direct or band-quantized layers, written in a few batches.
 
-An RL loop sends the same keys in the same buckets at every step, and a bucket of a model with many
-small tensors (a MoE layer: 384 expert slices) spends most of its host time in the per-key checks and
-writes of ``UpdateSession.load`` (~3-5 us per name; the copies themselves are queued and launched
-together). When a list's keys all go through the session's cached destination views (the hot path)
-into direct layers or into layers quantized band by band (fp8 per-channel and 128x128 blocks:
-``reload/bands.py``), the list is recorded as a :class:`ListReplay` the first time it loads cleanly:
-the destination of every key, the layout each key arrived in and the layers it writes, in pieces (of
-``FIRST_PIECE_KEYS`` keys, doubling up to ``PIECE_KEYS``). The next time a list with the same names in
-the same order arrives, the session checks each piece's tensors against that record (a tensor, same
-shape, same dtype, same device), checks the manifest's announcement of them and that no key arrived
-earlier in the update, and only then writes the piece: big copies one by one, as the hot path launches
-them but alternated over two streams (``reload/lanes.py``), the others in one grouped copy
-(``grouped_copy.CopyGroup``), band quantizations as one grouped launch per method and shape - all of
-which the device runs while the host checks the next piece. Bands of one-scale matrices (per-tensor
-fp8: a fused qkv, an expert's gate and up) are recorded when each matrix is whole within the list; a
-piece then ends only where no matrix is open, so each goes to its method with all of its rows at once
-(absmax first, as the write queue hands them over). Anything else - another layout, a name announced otherwise, a cached view rebuilt since (pointers moved), a
-duplicate - and the per-key path takes over from that piece on, which loads what is valid and raises
-the precise error for what is not. So every guarantee of the per-key path holds (manifest first,
-duplicates refused, layers snapshotted before their first write); the record only skips the work that
-repeats.
+An RL loop sends the same keys in the same buckets at every step, and a bucket of a model with many small
+tensors (a MoE layer: 384 expert slices) spends most of its host time in the per-key checks and writes of
+``UpdateSession.load`` (~3-5 us per name; the copies themselves are queued and launched together). When a
+list's keys all go through the session's cached destination views (the hot path) into direct layers or
+into layers quantized band by band (fp8 per-channel and 128x128 blocks: ``reload/bands.py``), the list is
+recorded as a :class:`ListReplay` the first time it loads cleanly: the destination of every key, the
+layout each key arrived in and the layers it writes, in pieces (of ``FIRST_PIECE_KEYS`` keys, doubling up
+to ``PIECE_KEYS``). The next time a list with the same names in the same order arrives, the session
+checks each piece's tensors against that record (a tensor, same shape, same dtype, same device), checks
+the manifest's announcement of them and that no key arrived earlier in the update, and only then writes
+the piece: big copies one by one, as the hot path launches them but alternated over two streams
+(``reload/lanes.py``), the others in one grouped copy (``grouped_copy.CopyGroup``), band quantizations as
+one grouped launch per method and shape - all of which the device runs while the host checks the next
+piece. Bands of one-scale matrices (per-tensor fp8: a fused qkv, an expert's gate and up) are recorded
+when each matrix is whole within the list; a piece then ends only where no matrix is open, so each goes
+to its method with all of its rows at once (absmax first, as the write queue hands them over). Anything
+else - another layout, a name announced otherwise, a cached view rebuilt since (pointers moved), a
+duplicate - and the per-key path takes over from that piece on, which loads what is valid and raises the
+precise error for what is not. So every guarantee of the per-key path holds (manifest first, duplicates
+refused, layers snapshotted before their first write); the record only skips the work that repeats.
 """
 
 from __future__ import annotations
