@@ -21,6 +21,7 @@ import re
 import shutil
 import tempfile
 import threading
+import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -270,6 +271,28 @@ _PROCESS_LIFETIME = re.compile(r"^(/usr/|/lib|/opt/|/etc/|/proc/|/sys/|/dev/(u?r
                                r"|/site-packages/|/\.pyenv/")
 
 
+# How long a socket opened during a sequence may take to close before it counts as leaked. Native threads
+# of libraries an earlier test used in this process open and close sockets at their own pace, outside any
+# Python thread (Ray's gRPC client keeps native threads and a socket after ``ray.shutdown()``; a CI run saw
+# one extra socket at a check that the sequence's replay did not see): nothing in the process signals when
+# they are done, so the check polls. A socket a sequence leaks stays open, and is reported after the grace.
+_SOCKET_GRACE_S = 5.0
+
+
+def _still_open(opened: list[str]) -> list[str]:
+    """``opened`` less the sockets among them that close within :data:`_SOCKET_GRACE_S`."""
+    others = [t for t in opened if not t.startswith("socket:")]
+    sockets = [t for t in opened if t.startswith("socket:")]
+    deadline = time.monotonic() + _SOCKET_GRACE_S
+    wait = threading.Event()
+    while sockets and time.monotonic() < deadline:
+        wait.wait(0.05)
+        gc.collect()
+        now = set(_fd_targets())
+        sockets = [t for t in sockets if t in now]
+    return others + sockets
+
+
 # Who started each thread: Thread.start records the starting thread on the new one, so that a sequence is
 # held to the threads it started (directly, or through threads it started) and not to threads that code
 # running beside it started meanwhile (a pool or timer an earlier test left running in the same process).
@@ -327,7 +350,7 @@ class Hygiene:
                                  if getattr(now, k) > getattr(self, k)}
         if "fds" in grown:
             opened = Counter(now.fd_targets) - Counter(self.fd_targets)
-            kept = sorted(t for t in opened.elements() if not _PROCESS_LIFETIME.search(t))
+            kept = _still_open(sorted(t for t in opened.elements() if not _PROCESS_LIFETIME.search(t)))
             if kept:
                 grown["fds"] = (*grown["fds"], kept)
             else:

@@ -161,6 +161,45 @@ def test_the_checker_reports_a_leaked_file_but_not_a_library_opened_once_for_the
         before.check("a sequence")
 
 
+def test_the_checker_reports_a_socket_left_open_but_not_one_that_another_thread_closes_soon(monkeypatch) -> None:
+    import socket
+
+    from tests.reload import _fuzz_world
+
+    monkeypatch.setattr(_fuzz_world, "_SOCKET_GRACE_S", 0.3)
+    before = Hygiene.take()
+    kept = socket.socket()
+    with kept, pytest.raises(Leaked, match=rf"socket:\[{os.fstat(kept.fileno()).st_ino}\]"):
+        before.check("a sequence")
+    # A socket some library's own thread (alive before the sequence) opens and closes at its pace: here
+    # just after the check has listed it open.
+    close_it = threading.Event()
+    held: list[socket.socket] = []
+    listed = _fuzz_world._fd_targets
+
+    def listing_then_closing() -> tuple[str, ...]:
+        out = listed()
+        if held:
+            close_it.set()
+        return out
+
+    def library_thread() -> None:
+        close_it.wait()
+        held[0].close()
+
+    t = threading.Thread(target=library_thread, name="library")
+    t.start()
+    before = Hygiene.take()
+    monkeypatch.setattr(_fuzz_world, "_fd_targets", listing_then_closing)
+    held.append(socket.socket())
+    try:
+        before.check("a sequence")
+    finally:
+        close_it.set()
+        t.join()
+    assert held[0].fileno() == -1
+
+
 class _CorruptingFp8Machine(Fp8EngineMachine):
     """An engine whose every commit leaves one layer on the bytes of another version."""
 
