@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import RESULTS, environment
+from benchmarks.common import RESULTS, environment, profiled
 from weight_sync.manifest import Manifest
 from weight_sync.testing import make_checkpoint, run_distributed
 
@@ -92,15 +92,7 @@ def bench_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(spec["threads"])
     if spec["device"] == "cuda":
         torch.cuda.set_device(0)  # colocated: trainer and engine on one GPU (ipc)
-    if spec.get("profile"):
-        import cProfile
-
-        prof = cProfile.Profile()
-        try:
-            return prof.runcall(_bench_rank, rank, world, spec)
-        finally:
-            prof.dump_stats(str(Path(spec["profile"]) / f"rank{rank}.prof"))
-    return _bench_rank(rank, world, spec)
+    return profiled(_bench_rank, spec.get("profile"), rank, rank, world, spec)
 
 
 def _connect(rank: int, spec: dict[str, Any]) -> tuple[Any, Any]:
@@ -230,6 +222,15 @@ def _engine_columns(rows: list[dict[str, Any]], updates: list[dict[str, Any]], r
         row["engine_fingerprint_s"] = statistics.median(u["seconds"].get("fingerprint", 0.0) for u in deltas)
 
 
+def _cpu_kernels() -> str:
+    """Which CPU kernels the ranks' encodes and decodes ran (they inherit this process's environment)."""
+    from weight_sync import native
+
+    if not native.enabled():
+        return "numpy"
+    return "native, AVX-512" if native.simd() else "native, portable"
+
+
 def _markdown(result: dict[str, Any]) -> str:
     env = result["environment"]
     where = f"{result['device'].upper() if result['device'] == 'cpu' else 'GPU'} over {result['backend']}"
@@ -241,7 +242,8 @@ def _markdown(result: dict[str, Any]) -> str:
         f"Command: `{env['command']}`. Model: {result['num_tensors']} tensors, {result['full_bytes'] / 1e6:.1f} MB "
         f"in bf16; {result['repeats']} repeats x 2 directions, median; bucket {result['bucket_bytes'] >> 20} MiB; "
         f"{result.get('threads', 'default')} torch thread(s) per rank; sender base {result['delta_base']}, "
-        f"engine's model-format copies {result['engine_base']}.",
+        f"engine's model-format copies {result['engine_base']}; CPU delta kernels: "
+        f"{result.get('cpu_kernels', 'numpy')}.",
         "Time: wall time of `send()` (the delta's encode included) to the engines' agreed commit, full sync "
         "of the same version measured in the same run; 'encode' is the part before `start_weight_update` "
         "(the transport's `TransferReport.seconds` leaves it out). Engine: the receiving session's own "
@@ -269,6 +271,14 @@ def _markdown(result: dict[str, Any]) -> str:
         )
     lines += ["", "Engine equal: every delta's engine fingerprint equals the full update's of the same weights.", ""]
     goal = next((r for r in result["rows"] if r["scenario"] == "synthetic 2.0%"), None)
+    floor = next((r for r in result["rows"] if r["scenario"] == "synthetic 0.0%"), None)
+    if floor is not None:
+        lines += [
+            f"Floor: a delta with nothing changed (the compare, the update's control round trips and the "
+            f"engine's per-tensor checks, no data) takes {floor['delta_s'] * 1e3:.1f} ms = "
+            f"{floor['time_ratio']:.2f}x the full sync here; no delta update on this host is faster.",
+            "",
+        ]
     if goal is not None:
         # Issue 18's goals, judged on the 2% row.
         wire_ok, time_ok = goal["wire_ratio"] <= 0.05, goal["time_ratio"] <= 0.15
@@ -324,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
               "device": args.device, "backend": backend, "delta_base": delta_base, "engine_base": engine_base,
               "threads": args.threads,
               "repeats": args.repeats, "bucket_bytes": args.bucket_mib << 20, "num_tensors": out[0]["num_tensors"],
-              "full_bytes": rows[0]["full_bytes"], "rows": rows}
+              "full_bytes": rows[0]["full_bytes"], "rows": rows, "cpu_kernels": _cpu_kernels()}
     if cuda:
         result["environment"]["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -143,6 +143,17 @@ def _config(preset: str) -> dict[str, Any]:
 
 
 def bench_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
+    if spec.get("profile"):
+        # Appended, not prepended: a --baseline-code run keeps importing weight_sync from its DIR.
+        sys.path.append(str(Path(__file__).resolve().parents[1]))
+        from benchmarks.common import profiled
+
+        name = spec["backend"] + ("+zc" if spec.get("zero_copy") else "") + f"_{spec['quantization'] or 'none'}"
+        return profiled(_bench_rank, str(Path(spec["profile"]) / name), rank, rank, world, spec)
+    return _bench_rank(rank, world, spec)
+
+
+def _bench_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     backend, repeats = spec["backend"], spec["repeats"]
     device = _devices(backend, rank, spec["device"])
     if device.type == "cpu":
@@ -245,7 +256,7 @@ def _run(args: argparse.Namespace, name: str, quantization: str | None) -> dict[
     spec = dict(backend=backend, zero_copy=zero_copy, device=args.device, preset=args.preset, quantization=quantization,
                 bucket_mb=args.bucket_mb, repeats=args.repeats, warmup=args.warmup, checksum=not args.no_checksum,
                 num_buffers=args.num_buffers,
-                verify=args.verify)
+                verify=args.verify, profile=args.profile)
     trainer, engine = run_distributed(bench_rank, 2, spec, timeout_s=args.timeout_s)
     rows = []
     for t, e in zip(trainer["buckets"], engine["buckets"]):
@@ -488,6 +499,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="CPU: consecutive updates (after 10 warm-up updates) for the RSS check (0: skip)")
     p.add_argument("--timeout-s", type=float, default=1800)
     p.add_argument("--tag", default=None)
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="write a cProfile of each rank of each run to DIR/<backend>_<quantization>/rank<N>.prof "
+                        "(the times then include the profiler)")
     p.add_argument("--baseline-code", default=None, metavar="DIR",
                    help="also run every backend with weight_sync imported from DIR (a checkout of the previous "
                         "code path, e.g. a git worktree), in this run; its rows are reported next to ours")

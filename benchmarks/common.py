@@ -129,3 +129,18 @@ def write_results(name: str, payload: dict[str, Any], markdown: str) -> tuple[Pa
 def env_markdown(env: dict[str, Any]) -> str:
     lines = [f"- {k}: `{v}`" for k, v in env.items()]
     return "\n".join(lines)
+
+
+def profiled(fn: Callable[..., Any], out_dir: str | None, rank: int, *args: Any) -> Any:
+    """``fn(*args)``, under cProfile when ``out_dir`` is given: the profile of this rank goes to
+    ``out_dir/rank<rank>.prof`` (the times ``fn`` measures then include the profiler's cost)."""
+    if not out_dir:
+        return fn(*args)
+    import cProfile
+
+    prof = cProfile.Profile()
+    try:
+        return prof.runcall(fn, *args)
+    finally:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        prof.dump_stats(str(Path(out_dir) / f"rank{rank}.prof"))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -52,3 +54,23 @@ def staged_fp8(monkeypatch: pytest.MonkeyPatch) -> None:
     from weight_sync.quant import Fp8LinearMethod
 
     monkeypatch.setattr(Fp8LinearMethod, "row_bands", lambda self, layer, name, shape: None)
+
+
+@pytest.fixture(scope="module", params=["native", "numpy"])
+def cpu_delta_kernels(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Run a module's tests twice: with delta sync's native CPU kernels, then with their numpy twins
+    (``WEIGHT_SYNC_NATIVE``, which ranks spawned meanwhile inherit)."""
+    from weight_sync import native
+
+    before = os.environ.get("WEIGHT_SYNC_NATIVE")
+    os.environ["WEIGHT_SYNC_NATIVE"] = "1" if request.param == "native" else "0"
+    if request.param == "native" and not native.enabled():
+        pytest.fail("the native delta kernels did not build here (see tests/native)")
+    try:
+        yield request.param
+    finally:
+        if before is None:
+            os.environ.pop("WEIGHT_SYNC_NATIVE", None)
+        else:
+            os.environ["WEIGHT_SYNC_NATIVE"] = before
+

@@ -18,6 +18,8 @@ from weight_sync.reload.delta_apply import (
     checksum_changes,
 )
 
+# Every test here runs with the native CPU kernels and with their numpy twins (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("cpu_delta_kernels")
 DTYPES = [torch.bool, torch.uint8, torch.float8_e4m3fn, torch.bfloat16, torch.float16, torch.float32,
           torch.int64]
 

@@ -22,6 +22,8 @@ from weight_sync.transport.delta import (
     encode_delta,
 )
 
+# Every test here runs with the native CPU kernels and with their numpy twins (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("cpu_delta_kernels")
 DTYPES = [torch.bfloat16, torch.float32, torch.float16]
 PATTERNS = ["empty", "one", "block", "dense", "all", "random"]
 _INT = {2: torch.int16, 4: torch.int32}
@@ -186,7 +188,8 @@ def test_a_batch_encoded_with_one_sync_writes_each_tensors_own_bytes(
 def test_the_torch_decoder_cuda_receivers_run_finds_the_positions_the_cpu_decoder_finds(
     dtype: torch.dtype, pattern: str, numel: int, chunk_elems: int, density: float, seed: int
 ) -> None:
-    from weight_sync.transport.delta import _parse, _sparse_positions_cpu, _sparse_positions_torch
+    from weight_sync.transport.delta import _parse, _sparse_positions_torch
+    from weight_sync.transport.delta_cpu import sparse_positions_cpu as _sparse_positions_cpu
 
     base, new = _pair(dtype, pattern, numel, density, seed)
     enc = encode_delta(new, base, chunk_elems=chunk_elems)
@@ -198,7 +201,8 @@ def test_the_torch_decoder_cuda_receivers_run_finds_the_positions_the_cpu_decode
 
 @pytest.mark.parametrize("decoder", ["cpu", "torch"])
 def test_both_decoders_refuse_repeated_offsets_and_positions_beyond_the_tensor(decoder: str) -> None:
-    from weight_sync.transport.delta import _parse, _sparse_positions_cpu, _sparse_positions_torch
+    from weight_sync.transport.delta import _parse, _sparse_positions_torch
+    from weight_sync.transport.delta_cpu import sparse_positions_cpu as _sparse_positions_cpu
 
     def positions(enc: torch.Tensor, numel: int) -> None:
         parsed = _parse(enc, numel, torch.float32)

@@ -24,6 +24,8 @@ from weight_sync.reload.api import begin_update
 from weight_sync.transport.delta import encode_delta
 from weight_sync.transport.delta_sync import DeltaSession, ReceiverDeltaBase
 
+# Every test here runs with the native CPU kernels and with their numpy twins (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("cpu_delta_kernels")
 PATTERNS = ["empty", "one", "block", "dense", "all", "random"]
 QUANTIZATIONS = [None, *sorted(QUANTIZATION_NAMES)]
 _PAIRS: dict[Any, dict[str, Any]] = {}

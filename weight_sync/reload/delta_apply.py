@@ -44,6 +44,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from weight_sync import native
 from weight_sync.checksum import tensor_checksums
 from weight_sync.errors import ConfigError, LayoutMismatchError
 from weight_sync.layers.tensors import iter_graph_visible_tensors
@@ -409,13 +410,17 @@ class InPlaceUpdate:
         self.touched.add(info.name)
         size = live.element_size()
         if region.device.type == "cpu":
-            # numpy: a fraction of torch's per-call overhead, and this runs for every tensor of a delta.
+            # numpy (or one native pass: gather, write and checksum move together): a fraction of torch's
+            # per-call overhead, and this runs for every tensor of a delta.
             r, i, new = region.numpy(), idx.numpy(), v.numpy()
-            old_np = r[i]
-            r[i] = new
+            if native.enabled():
+                old_np, sums = native.scatter(r, i, new, t.dst_offset * size)
+            else:
+                old_np = r[i]
+                r[i] = new
+                sums = _checksum_change_np((i + t.dst_offset) * size, old_np, new, size)
             old = torch.from_numpy(old_np)
-            change = torch.from_numpy(_checksum_change_np((i + t.dst_offset) * size, old_np, new, size))
-            self._sum_changes.setdefault(id(live), []).append(change)
+            self._sum_changes.setdefault(id(live), []).append(torch.from_numpy(sums))
         else:
             old = region[idx]
             region[idx] = v

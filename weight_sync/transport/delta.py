@@ -38,6 +38,19 @@ import numpy as np
 import torch
 
 from weight_sync.errors import ConfigError, LayoutMismatchError
+from weight_sync.transport.delta_cpu import encode_cpu, sparse_positions_cpu
+from weight_sync.transport.delta_format import (
+    _INT_OF_SIZE,
+    DEFAULT_CHUNK_ELEMS,
+    FORM_BITMASK,
+    FORM_INDEX,
+    FORM_PLAIN,
+    FORM_SAME,
+    MAGIC,
+    _align8,
+    _forms,
+    _offset_bytes,
+)
 
 __all__ = [
     "DEFAULT_CHUNK_ELEMS",
@@ -61,16 +74,7 @@ __all__ = [
     "read_heads",
 ]
 
-MAGIC = 0x32445357  # "WSD2" little-endian (WSD1 had int32 offsets for every chunk size)
-FORM_SAME, FORM_BITMASK, FORM_INDEX, FORM_PLAIN = 0, 1, 2, 3
-# 64 Ki elements: a bitmask chunk costs 8 KiB of bits, so a chunk with more than 4Ki changes (6.25%) of
-# bf16 prefers the bitmask; small enough that a dense corner of a tensor goes plain on its own.
-DEFAULT_CHUNK_ELEMS = 1 << 16
-_HEADER_INTS = 4
 _BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
 _BITS_ON: dict[torch.device, torch.Tensor] = {}
 
 
@@ -87,10 +91,6 @@ def _to(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
     the stream's queued work, and an update decodes every tensor (the copy from pageable memory is
     staged before the call returns, so the host tensor may go at once)."""
     return t.to(dev, non_blocking=True)
-
-
-def _align8(n: int) -> int:
-    return (n + 7) // 8 * 8
 
 
 def _as_int(t: torch.Tensor) -> torch.Tensor:
@@ -121,12 +121,6 @@ class DeltaStats:
     plain_nbytes: int
 
 
-def _offset_bytes(chunk_elems: int) -> int:
-    """Width of an index chunk's offsets: 2 bytes while every offset fits 16 bits (chunks of up to
-    64 Ki elements, the default), else 4. Halves the index bytes, the usual form at low density."""
-    return 2 if chunk_elems <= 1 << 16 else 4
-
-
 def _pack_offsets(offsets: torch.Tensor, chunk_elems: int) -> torch.Tensor:
     if _offset_bytes(chunk_elems) == 2:
         # 0..65535 shifted into int16's range (no uint16 arithmetic needed on either side).
@@ -138,20 +132,6 @@ def _unpack_offsets(raw: torch.Tensor, chunk_elems: int) -> torch.Tensor:
     if _offset_bytes(chunk_elems) == 2:
         return raw.view(torch.int16).to(torch.int64) + 32768
     return raw.view(torch.int32).to(torch.int64)
-
-
-def _forms(counts: np.ndarray, chunk_elems: int, numel: int, item: int) -> np.ndarray:
-    """Per chunk the cheapest form (ties go to the simpler one: same < plain < index < bitmask), from
-    the changed counts per chunk (the table is decided on the host, in numpy: it is tiny)."""
-    sizes = np.full(counts.size, chunk_elems, dtype=np.int64)
-    if counts.size:
-        sizes[-1] = numel - (counts.size - 1) * chunk_elems
-    bitmask = chunk_elems // 8 + counts * item
-    index = counts * (_offset_bytes(chunk_elems) + item)
-    plain = sizes * item
-    form = np.where(index < plain, FORM_INDEX, FORM_PLAIN)
-    form = np.where(bitmask < np.minimum(index, plain), FORM_BITMASK, form)
-    return np.where(counts == 0, FORM_SAME, form).astype(np.int64)
 
 
 def _plain_positions(plain_chunks: torch.Tensor, chunk_elems: int, numel: int, dev: torch.device,
@@ -201,16 +181,25 @@ def encode_delta(
 
 
 def encode_delta_with_positions(
-    new: torch.Tensor, base: torch.Tensor, *, chunk_elems: int = DEFAULT_CHUNK_ELEMS
+    new: torch.Tensor, base: torch.Tensor, *, chunk_elems: int = DEFAULT_CHUNK_ELEMS, advance: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`encode_delta` and the sorted flat int64 positions whose bytes changed (on ``new``'s
     device): what a sender needs to move its own base to ``new`` without decoding (``base_int[pos] =
-    new_int[pos]``, see :func:`copy_changed_`)."""
+    new_int[pos]``, see :func:`copy_changed_`). ``advance``: move ``base`` to ``new`` too (on CPU the
+    native scan does it in its pass; otherwise :func:`copy_changed_` after the encode)."""
     vals, old = _int_views(new, base, chunk_elems)
     if vals.device.type == "cpu":
-        out_np, pos_np = _encode_cpu(vals.numpy(), old.numpy(), chunk_elems, new.dtype.itemsize)
-        return torch.from_numpy(out_np), torch.from_numpy(pos_np)
-    return _encode_torch(vals, old, chunk_elems, new.dtype.itemsize)
+        # The scan may write the base only where ``old`` is the base's own memory, not a copy of it.
+        in_place = advance and old.data_ptr() == base.data_ptr() and base.is_contiguous()
+        out_np, pos_np, advanced = encode_cpu(vals.numpy(), old.numpy(), chunk_elems, new.dtype.itemsize,
+                                              advance=in_place)
+        out, pos = torch.from_numpy(out_np), torch.from_numpy(pos_np)
+    else:
+        out, pos = _encode_torch(vals, old, chunk_elems, new.dtype.itemsize)
+        advanced = False
+    if advance and not advanced:
+        copy_changed_(base, new, pos)
+    return out, pos
 
 
 def _chunk_counts(vals: torch.Tensor, old: torch.Tensor, ce: int) -> torch.Tensor:
@@ -226,21 +215,25 @@ def _chunk_counts(vals: torch.Tensor, old: torch.Tensor, ce: int) -> torch.Tenso
 
 
 def encode_deltas_with_positions(
-    pairs: list[tuple[torch.Tensor, torch.Tensor]], *, chunk_elems: int = DEFAULT_CHUNK_ELEMS
+    pairs: list[tuple[torch.Tensor, torch.Tensor]], *, chunk_elems: int = DEFAULT_CHUNK_ELEMS,
+    advance: bool = False,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """:func:`encode_delta_with_positions` of several ``(new, base)`` pairs, the same bytes; the pairs on
-    one CUDA device are encoded with one device sync for all of them instead of two or more each."""
+    one CUDA device are encoded with one device sync for all of them instead of two or more each.
+    ``advance``: every base is moved to its new tensor as well."""
     out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(pairs)
     batches: dict[torch.device, list[int]] = {}
     for i, (new, base) in enumerate(pairs):
         if new.device.type == "cpu":
-            out[i] = encode_delta_with_positions(new, base, chunk_elems=chunk_elems)
+            out[i] = encode_delta_with_positions(new, base, chunk_elems=chunk_elems, advance=advance)
         else:
             batches.setdefault(new.device, []).append(i)
     for at in batches.values():
         views = [(*_int_views(*pairs[i], chunk_elems), pairs[i][0].dtype.itemsize) for i in at]
         for i, enc in zip(at, _encode_torch_many(views, chunk_elems)):
             out[i] = enc
+            if advance:
+                copy_changed_(pairs[i][1], pairs[i][0], enc[1])
     return [o for o in out if o is not None]
 
 
@@ -271,7 +264,7 @@ def _encode_torch_many(pairs: list[tuple[torch.Tensor, torch.Tensor, int]], ce: 
 def _encode_torch(vals: torch.Tensor, old: torch.Tensor, ce: int, item: int,
                   counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The encoding of integer views ``vals`` over ``old`` in torch operations, on their device (CUDA;
-    on CPU :func:`_encode_cpu` writes the same bytes). ``counts``: the changed elements per chunk,
+    on CPU :func:`~weight_sync.transport.delta_cpu.encode_cpu` writes the same bytes). ``counts``: the changed elements per chunk,
     already on the host (:func:`_encode_torch_many`); then nothing here waits for the device."""
     numel, dev = vals.numel(), vals.device
     num_chunks = -(-numel // ce)
@@ -340,69 +333,6 @@ def _encode_torch(vals: torch.Tensor, old: torch.Tensor, ce: int, item: int,
         if padded > n:
             out[pos_out + n : pos_out + padded] = 0
         pos_out += padded
-    return out, pos
-
-
-def _chunk_rows(a: np.ndarray, chunks: np.ndarray, ce: int, pad: bool | None) -> np.ndarray:
-    """The elements of ``a``'s ``chunks`` (sorted chunk numbers), concatenated: a short last chunk is
-    padded to ``ce`` elements with ``pad``, or left short where ``pad`` is None."""
-    full = a.size // ce
-    head = chunks[chunks < full] if chunks.size and chunks[-1] >= full else chunks
-    out = a[: full * ce].reshape(full, ce)[head].reshape(-1)
-    if head.size == chunks.size:
-        return out
-    tail = a[full * ce :]
-    if pad is not None:
-        tail = np.concatenate([tail, np.full(ce - tail.size, pad, dtype=a.dtype)])
-    return np.concatenate([out, tail])
-
-
-def _encode_cpu(vals: np.ndarray, old: np.ndarray, ce: int, item: int) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`encode_delta_with_positions` through numpy, byte for byte the same encoding: an update
-    encodes every tensor, and torch's per-call overhead (some 40 small operations per tensor) cost more
-    than the compare pass itself on CPU (measured 0.4 vs 0.15 ms per tensor of a 91-tensor model)."""
-    numel = vals.size
-    num_chunks = -(-numel // ce)
-    # numpy's compare and flatnonzero run ~2x faster than torch's CPU kernels on one thread (measured
-    # on 24.6 Mi bf16 at 2% changed: 53-62 ms vs 88-129 ms on the loaded 2-core host; comparing 8-byte
-    # words first and splitting the changed ones was slower again, 96-137 ms).
-    mask = vals != old
-    pos = np.flatnonzero(mask)  # sorted: element order
-    counts = np.diff(np.searchsorted(pos, np.arange(num_chunks + 1, dtype=np.int64) * ce))
-    form = _forms(counts, ce, numel, item)
-    is_bm, is_ix, is_pl = form == FORM_BITMASK, form == FORM_INDEX, form == FORM_PLAIN
-    n_bm, n_ix, n_pl = int(is_bm.sum()), int(is_ix.sum()), int(is_pl.sum())
-    empty8 = np.empty(0, dtype=np.uint8)
-    bitmask, offsets, sparse_vals, plain_vals = empty8, empty8, empty8, empty8
-    if n_pl == num_chunks:
-        plain_vals = vals.view(np.uint8)  # every chunk plain: the tensor itself
-    elif pos.size:
-        elem_form = None if num_chunks in (n_bm, n_ix) else np.repeat(form, counts)
-        vals_parts = []
-        if n_bm:
-            sel_b = pos if elem_form is None else pos[elem_form == FORM_BITMASK]
-            # The bitmask chunks' bits, chunk by chunk, bit k of byte j for element 8j + k: the compare's
-            # mask packed (a short last chunk padded with unchanged elements).
-            bitmask = np.packbits(_chunk_rows(mask, np.flatnonzero(is_bm), ce, False), bitorder="little")
-            vals_parts.append(vals[sel_b])
-        if n_ix:
-            sel = pos if elem_form is None else pos[elem_form == FORM_INDEX]
-            within = sel & (ce - 1) if ce & (ce - 1) == 0 else sel % ce
-            offsets = (within - 32768).astype(np.int16) if _offset_bytes(ce) == 2 else within.astype(np.int32)
-            offsets = offsets.view(np.uint8)
-            vals_parts.append(vals[sel])
-        if vals_parts:
-            sparse_vals = (vals_parts[0] if len(vals_parts) == 1 else np.concatenate(vals_parts)).view(np.uint8)
-        if n_pl:
-            plain_vals = _chunk_rows(vals, np.flatnonzero(is_pl), ce, None).view(np.uint8)
-    head = np.concatenate([np.array([MAGIC, ce, num_chunks, item], dtype=np.int32),
-                           np.stack([form, counts], 1).astype(np.int32).reshape(-1)]).view(np.uint8)
-    parts = [head, bitmask, offsets, sparse_vals, plain_vals]
-    out = np.zeros(sum(_align8(p.size) for p in parts), dtype=np.uint8)
-    at = 0
-    for part in parts:
-        out[at : at + part.size] = part
-        at += _align8(part.size)
     return out, pos
 
 
@@ -559,7 +489,7 @@ def _sparse_positions(p: _Parsed, numel: int, dev: torch.device,
     order (the order of their values in the sparse region), checked against the region and the tensor
     (on the device, the checks go to ``checks`` when given, for the caller to read back before any write)."""
     if dev.type == "cpu":
-        return _sparse_positions_cpu(p, numel)
+        return sparse_positions_cpu(p, numel)
     return _sparse_positions_torch(p, numel, dev, checks)
 
 
@@ -637,39 +567,6 @@ def decode_parsed(p: _Parsed, numel: int, dev: torch.device,
     if not sparse.numel():
         return plain_pos, plain
     return torch.cat([bpos, ipos, plain_pos]), torch.cat([sparse, plain])
-
-
-def _sparse_positions_cpu(p: _Parsed, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`_sparse_positions` through numpy, whose small-array operations cost a fraction of torch's
-    per-call overhead (an update decodes every tensor: this ran 0.7 ms per tensor with torch ops)."""
-    ce = p.chunk_elems
-    bitmask, offsets, sparse, _ = p.regions
-    form, counts = p.form.numpy(), p.counts.numpy()
-    bpos = ipos = np.empty(0, dtype=np.int64)
-    if bitmask.numel():
-        hit = np.flatnonzero(np.unpackbits(bitmask.numpy(), bitorder="little"))  # bit k of byte j: 8j + k
-        c, within = np.divmod(hit, ce)
-        bpos = np.flatnonzero(form == FORM_BITMASK)[c] * ce + within
-    if offsets.numel():
-        chunks = np.flatnonzero(form == FORM_INDEX)
-        raw = offsets.numpy()
-        if _offset_bytes(ce) == 2:
-            off = raw.view(np.int16).astype(np.int64) + 32768
-        else:
-            off = raw.view(np.int32).astype(np.int64)
-        if ce < 1 << 16 and bool((off >= ce).any()):  # int16 offsets cannot exceed a 64 Ki chunk
-            raise LayoutMismatchError(f"delta payload: an index offset is outside its chunk of {ce} elements")
-        ipos = np.repeat(chunks, counts[chunks]) * ce + off
-        if ipos.size > 1 and bool((ipos[1:] <= ipos[:-1]).any()):
-            raise LayoutMismatchError("delta payload: index offsets repeat or are out of order")
-    if bpos.size + ipos.size != sparse.numel():
-        raise LayoutMismatchError(
-            f"delta payload: {bpos.size + ipos.size} changed positions but {sparse.numel()} values"
-        )
-    for part in (bpos, ipos):
-        if part.size and int(part[-1]) >= numel:
-            raise LayoutMismatchError(f"delta payload: a changed position lies beyond the tensor's {numel} elements")
-    return torch.from_numpy(bpos), torch.from_numpy(ipos)
 
 
 def apply_delta_(base: torch.Tensor, payload: torch.Tensor, *, positions: bool = True) -> torch.Tensor | None:

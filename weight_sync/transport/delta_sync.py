@@ -45,7 +45,7 @@ import torch
 from weight_sync.errors import DeltaBaseError, DuplicateTensorError, ManifestError, TransportError
 from weight_sync.manifest import Manifest, TensorMeta
 from weight_sync.reload.delta_apply import DeltaApplier
-from weight_sync.transport.delta import apply_delta_, copy_changed_, encode_deltas_with_positions
+from weight_sync.transport.delta import apply_delta_, encode_deltas_with_positions
 
 __all__ = [
     "DELTA_BASES",
@@ -180,9 +180,9 @@ class DeltaSender:
 
         def encode_group() -> None:
             nonlocal changed, numel
-            # Encoded together (one device sync per group on CUDA), then the base moves to the new bytes.
-            for (t, base), (enc, pos) in zip(group, encode_deltas_with_positions(group, chunk_elems=self.chunk_elems)):
-                copy_changed_(base, t, pos)
+            # Encoded together (one device sync per group on CUDA), the bases moved to the new bytes.
+            encoded = encode_deltas_with_positions(group, chunk_elems=self.chunk_elems, advance=True)
+            for (t, _), (enc, pos) in zip(group, encoded):
                 changed, numel = changed + pos.numel(), numel + t.numel()
                 encodings.append(enc)
             group.clear()

@@ -1,0 +1,139 @@
+"""Delta sync's native CPU kernels give exactly what their numpy twins give, and refuse what those refuse."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from weight_sync import native
+from weight_sync.errors import LayoutMismatchError
+from weight_sync.reload.delta_apply import _checksum_change_np
+
+INTS = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
+
+
+@pytest.fixture(autouse=True)
+def kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WEIGHT_SYNC_NATIVE", "1")
+    assert native.enabled(), "the native delta kernels must build on the CI machine (a C compiler is there)"
+
+
+@pytest.fixture(params=["simd", "portable"])
+def scan_kind(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The vector scan where this CPU has one, and the portable loops (both must agree)."""
+    had = native.simd()
+    if request.param == "simd" and not had:
+        pytest.skip("this CPU has no AVX-512 (VBMI2): the portable scan is the only one")
+    native.simd(request.param == "simd")
+    try:
+        yield request.param
+    finally:
+        native.simd(had)
+
+
+def _pair(item: int, n: int, density: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, 256, n * item, dtype=np.uint8).view(INTS[item])
+    new = base.copy()
+    hit = rng.random(n) < density
+    new.view(np.uint8).reshape(n, item)[hit, 0] ^= 0x5A  # one byte of each chosen element flipped
+    return new, base
+
+
+@pytest.mark.parametrize("item", [1, 2, 4, 8])
+@pytest.mark.parametrize("n, chunk", [(0, 64), (7, 8), (1000, 64), (70_001, 1 << 16), (5000, 1000), (300, 8)])
+@pytest.mark.parametrize("density", [0.0, 0.001, 0.02, 0.3, 1.0])
+def test_the_scan_finds_the_changed_positions_values_and_chunk_counts_numpy_finds(
+    item: int, n: int, chunk: int, density: float, scan_kind: str
+) -> None:
+    new, base = _pair(item, n, density, seed=n + item)
+    pos, vals, counts = native.delta_scan(new, base, chunk)
+    want = np.flatnonzero(new != base)
+    assert np.array_equal(pos, want)
+    assert np.array_equal(vals, new[want])
+    num_chunks = -(-n // chunk)
+    assert np.array_equal(counts, np.diff(np.searchsorted(want, np.arange(num_chunks + 1) * chunk)))
+
+
+def test_a_dense_tensor_continues_the_scan_in_a_larger_buffer_and_advance_moves_the_base(scan_kind: str) -> None:
+    # 60% changed: far beyond the first buffer's ~3%, so the scan stops at chunk boundaries and resumes.
+    new, base = _pair(2, 300_000, 0.6, seed=3)
+    want = np.flatnonzero(new != base)
+    pos, vals, _ = native.delta_scan(new, base, 1024, advance=True)
+    assert np.array_equal(pos, want) and np.array_equal(vals, new[want])
+    assert np.array_equal(base, new)  # the base is the new version now
+
+
+@pytest.mark.parametrize("item", [1, 2, 4, 8])
+@pytest.mark.parametrize("first", [0, 1, 3, 65521 + 5])
+def test_a_scatter_writes_the_values_returns_the_old_ones_and_moves_the_checksum_as_numpy_does(
+    item: int, first: int
+) -> None:
+    # ``first``: the destination's first element inside the checksummed tensor (a q slice of a qkv).
+    byte_base = first * item
+    rng = np.random.default_rng(item)
+    dst = rng.integers(0, 256, 4096 * item, dtype=np.uint8).view(INTS[item])
+    pos = np.sort(rng.choice(dst.size, 700, replace=False)).astype(np.int64)
+    vals = rng.integers(0, 256, pos.size * item, dtype=np.uint8).view(INTS[item])
+    want_dst = dst.copy()
+    want_old = want_dst[pos].copy()
+    want_dst[pos] = vals
+    old, sums = native.scatter(dst, pos, vals, byte_base)
+    assert np.array_equal(dst, want_dst) and np.array_equal(old, want_old)
+    assert np.array_equal(sums, _checksum_change_np(pos * item + byte_base, want_old, vals, item))
+
+
+def test_a_scatter_beyond_its_destination_is_refused_before_any_write() -> None:
+    dst = np.arange(100, dtype=np.int16)
+    with pytest.raises(LayoutMismatchError, match="outside the destination's 100 elements"):
+        native.scatter(dst, np.array([3, 100], dtype=np.int64), np.array([7, 7], dtype=np.int16), 0)
+    assert np.array_equal(dst, np.arange(100, dtype=np.int16))
+
+
+@pytest.mark.parametrize("off_bytes", [2, 4])
+def test_index_chunks_decode_to_their_positions_and_bad_offsets_are_named(off_bytes: int) -> None:
+    chunk = 1 << 16 if off_bytes == 2 else 1 << 17
+    chunks = np.array([0, 3, 4], dtype=np.int64)
+    within = [np.array([0, 5, chunk - 1]), np.array([17]), np.array([2, 3])]
+    counts = np.array([w.size for w in within], dtype=np.int64)
+    flat = np.concatenate(within)
+    raw = ((flat - 32768).astype(np.int16) if off_bytes == 2 else flat.astype(np.int32)).view(np.uint8)
+    want = np.concatenate([c * chunk + w for c, w in zip(chunks, within)])
+    assert np.array_equal(native.index_positions(chunks, counts, raw, off_bytes, chunk), want)
+    repeated = raw.copy().view(np.int16 if off_bytes == 2 else np.int32)
+    repeated[1] = repeated[0]
+    with pytest.raises(LayoutMismatchError, match="repeat or are out of order"):
+        native.index_positions(chunks, counts, repeated.view(np.uint8), off_bytes, chunk)
+    if off_bytes == 4:
+        outside = raw.copy().view(np.int32)
+        outside[3] = chunk  # one past the chunk's end
+        with pytest.raises(LayoutMismatchError, match="outside its chunk"):
+            native.index_positions(chunks, counts, outside.view(np.uint8), off_bytes, chunk)
+
+
+def test_bitmask_chunks_decode_to_their_positions_and_a_miscounted_mask_is_refused() -> None:
+    chunk = 64
+    rng = np.random.default_rng(5)
+    masks = rng.random(3 * chunk) < 0.3
+    bits = np.packbits(masks, bitorder="little")
+    chunks = np.array([1, 4, 9], dtype=np.int64)
+    hit = np.flatnonzero(masks)
+    want = chunks[hit // chunk] * chunk + hit % chunk
+    assert np.array_equal(native.bitmask_positions(bits, chunks, chunk, int(masks.sum())), want)
+    with pytest.raises(LayoutMismatchError, match="changed positions but"):
+        native.bitmask_positions(bits, chunks, chunk, int(masks.sum()) - 1)  # one bit more than counted
+
+
+def test_without_a_compiler_or_when_turned_off_the_numpy_paths_are_used(tmp_path) -> None:
+    code = "from weight_sync import native; print(native.enabled())"
+    env = {**os.environ, "WEIGHT_SYNC_NATIVE_CACHE": str(tmp_path), "CC": "/bin/false"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False" and not list(tmp_path.glob("*.so"))
+    env = {**os.environ, "WEIGHT_SYNC_NATIVE": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

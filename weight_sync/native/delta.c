@@ -1,0 +1,247 @@
+/* Delta sync's per-element passes on CPU, each one pass over the data without data-dependent branches
+ * per element: numpy's nonzero, boolean indexing and fancy assignment branch on every changed element
+ * (20-40 ns each on a busy host), which made them cost several times the compare itself.
+ *
+ * Built and loaded by weight_sync/native/__init__.py (ctypes, no Python headers); every kernel has a
+ * numpy twin there that gives the same bytes, used wherever this library is unavailable.
+ */
+#include <stdint.h>
+#include <string.h>
+
+/* OR of a ^ b over `nwords` 8-byte words: zero exactly when the bytes are equal (vectorizes). */
+static inline uint64_t diff_words(const unsigned char *a, const unsigned char *b, int nwords) {
+    uint64_t acc = 0;
+    for (int w = 0; w < nwords; w++) {
+        uint64_t x, y;
+        memcpy(&x, a + 8 * w, 8);
+        memcpy(&y, b + 8 * w, 8);
+        acc |= x ^ y;
+    }
+    return acc;
+}
+
+/* Blocks of 64 elements are skipped whole when equal; inside a changed block, groups of 8 are; a changed
+ * group's 8 elements are emitted branch-free (position and value written, the count advanced by the
+ * compare). With `advance`, a changed group is also copied over the base (its unchanged elements hold the
+ * same bytes already), which moves the base to the new version for the cost of the copy. */
+#define SCAN(T, NAME)                                                                                    \
+    static int64_t NAME(const T *restrict a, T *restrict b, int64_t n, int64_t chunk, int64_t c0,       \
+                        int advance, int64_t *restrict pos, T *restrict vals, int64_t cap,              \
+                        int64_t *restrict counts, int64_t *restrict next) {                             \
+        enum { G = 64, S = 8, GW = G * sizeof(T) / 8, SW = S * sizeof(T) / 8 }; \
+        int64_t k = 0, nchunks = (n + chunk - 1) / chunk, c;                                             \
+        for (c = c0; c < nchunks; c++) {                                                                 \
+            int64_t lo = c * chunk, hi = lo + chunk < n ? lo + chunk : n, k0 = k, i = lo;                \
+            if (k + (hi - lo) > cap) break; /* room for a whole chunk of changes, else the caller grows */ \
+            for (; i + G <= hi; i += G) {                                                                \
+                if (!diff_words((const unsigned char *)(a + i), (const unsigned char *)(b + i), GW))     \
+                    continue;                                                                            \
+                for (int s = 0; s < G; s += S) {                                                         \
+                    const T *x = a + i + s;                                                              \
+                    T *y = b + i + s;                                                                    \
+                    if (!diff_words((const unsigned char *)x, (const unsigned char *)y, SW)) continue;   \
+                    for (int j = 0; j < S; j++) {                                                        \
+                        pos[k] = i + s + j;                                                              \
+                        vals[k] = x[j];                                                                  \
+                        k += x[j] != y[j];                                                               \
+                    }                                                                                    \
+                    if (advance) memcpy(y, x, S * sizeof(T));                                            \
+                }                                                                                        \
+            }                                                                                            \
+            for (; i < hi; i++) {                                                                        \
+                pos[k] = i;                                                                              \
+                vals[k] = a[i];                                                                          \
+                k += a[i] != b[i];                                                                       \
+                if (advance) b[i] = a[i];                                                                \
+            }                                                                                            \
+            counts[c] = k - k0;                                                                          \
+        }                                                                                                \
+        *next = c;                                                                                       \
+        return k;                                                                                        \
+    }
+SCAN(uint8_t, scan1)
+SCAN(uint16_t, scan2)
+SCAN(uint32_t, scan4)
+SCAN(uint64_t, scan8)
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define WS_AVX512 1
+/* scan2 with AVX-512 (BW for the compare, VBMI2 for the 16-bit compress): 32 elements per step, their
+ * changed values and positions compressed in registers and stored whole (the buffers have 64 entries of
+ * slack past `cap`), so the cost is the two loads whatever the density. */
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi2,popcnt"))) static int64_t
+scan2_avx512(const uint16_t *restrict a, uint16_t *restrict b, int64_t n, int64_t chunk, int64_t c0, int advance,
+             int64_t *restrict pos, uint16_t *restrict vals, int64_t cap, int64_t *restrict counts,
+             int64_t *restrict next) {
+    const __m512i lanes = _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7), eight = _mm512_set1_epi64(8);
+    int64_t k = 0, nchunks = (n + chunk - 1) / chunk, c;
+    for (c = c0; c < nchunks; c++) {
+        int64_t lo = c * chunk, hi = lo + chunk < n ? lo + chunk : n, k0 = k, i = lo;
+        if (k + (hi - lo) > cap) break;
+        for (; i + 32 <= hi; i += 32) {
+            __m512i x = _mm512_loadu_si512((const void *)(a + i)), y = _mm512_loadu_si512((const void *)(b + i));
+            __mmask32 m = _mm512_cmpneq_epi16_mask(x, y);
+            if (!m) continue;
+            _mm512_storeu_si512((void *)(vals + k), _mm512_maskz_compress_epi16(m, x));
+            __m512i at = _mm512_add_epi64(_mm512_set1_epi64(i), lanes);
+            for (int q = 0; q < 4; q++) {
+                __mmask8 mq = (__mmask8)(m >> (8 * q));
+                _mm512_storeu_si512((void *)(pos + k), _mm512_maskz_compress_epi64(mq, at));
+                k += __builtin_popcount(mq);
+                at = _mm512_add_epi64(at, eight);
+            }
+            if (advance) _mm512_storeu_si512((void *)(b + i), x);
+        }
+        for (; i < hi; i++) {
+            pos[k] = i;
+            vals[k] = a[i];
+            k += a[i] != b[i];
+            if (advance) b[i] = a[i];
+        }
+        counts[c] = k - k0;
+    }
+    *next = c;
+    return k;
+}
+#endif
+
+static int use_avx512 = 0;
+
+/* The changed elements of `a` against `b` (n elements of `item` bytes) from chunk `c0` on: their
+ * positions (ascending) and values, and the changed count of each chunk, until the chunks are done or
+ * `cap` could not hold one more whole chunk; `*next` is the first chunk not scanned. `pos` and `vals`
+ * must have 64 entries of room past `cap` (vector stores write whole registers). Returns the count
+ * written, -1 for an item size other than 1, 2, 4 or 8. */
+int64_t ws_delta_scan(const void *a, void *b, int64_t n, int item, int64_t chunk, int64_t c0, int advance,
+                      int64_t *pos, void *vals, int64_t cap, int64_t *counts, int64_t *next) {
+    switch (item) {
+    case 1: return scan1(a, b, n, chunk, c0, advance, pos, vals, cap, counts, next);
+    case 2:
+#ifdef WS_AVX512
+        if (use_avx512) return scan2_avx512(a, b, n, chunk, c0, advance, pos, vals, cap, counts, next);
+#endif
+        return scan2(a, b, n, chunk, c0, advance, pos, vals, cap, counts, next);
+    case 4: return scan4(a, b, n, chunk, c0, advance, pos, vals, cap, counts, next);
+    case 8: return scan8(a, b, n, chunk, c0, advance, pos, vals, cap, counts, next);
+    }
+    return -1;
+}
+
+/* Write `vals` at `pos` into `dst`, keeping the overwritten values in `old`, and return in sums[0..1] how
+ * the write moves the checksum of the tensor `dst` lies in at byte `byte_base` (weight_sync/checksum.py:
+ * a plain and a weighted sum of little-endian 32-bit words, weight (word % 65521) + 1), each term taken
+ * mod 2**32 and summed in 64 bits: the same numbers as delta_apply's numpy arithmetic. */
+#define SCATTER(T, NAME)                                                                                 \
+    static void NAME(T *restrict dst, const int64_t *restrict pos, const T *restrict vals, int64_t k,     \
+                     int64_t byte_base, T *restrict old, int64_t *sums) {                                \
+        uint64_t plain = 0, weighted = 0;                                                                \
+        for (int64_t j = 0; j < k; j++) {                                                                \
+            int64_t p = pos[j];                                                                          \
+            T o = dst[p], v = vals[j];                                                                   \
+            old[j] = o;                                                                                  \
+            dst[p] = v;                                                                                  \
+            uint64_t byte = (uint64_t)(byte_base + p * (int64_t)sizeof(T));                              \
+            if (sizeof(T) == 8) {                                                                        \
+                uint64_t word = byte >> 2, ov = (uint64_t)o, nv = (uint64_t)v;                           \
+                uint64_t lo = (uint32_t)((uint32_t)nv - (uint32_t)ov);                                   \
+                uint64_t hi = (uint32_t)((uint32_t)(nv >> 32) - (uint32_t)(ov >> 32));                   \
+                plain += lo + hi;                                                                        \
+                weighted += ((lo * (word % 65521 + 1)) & 0xFFFFFFFFu) +                                  \
+                            ((hi * ((word + 1) % 65521 + 1)) & 0xFFFFFFFFu);                             \
+            } else {                                                                                     \
+                uint64_t word = byte >> 2;                                                               \
+                uint32_t d = ((uint32_t)v - (uint32_t)o) << ((byte & 3) * 8);                            \
+                plain += d;                                                                              \
+                weighted += ((uint64_t)d * (word % 65521 + 1)) & 0xFFFFFFFFu;                            \
+            }                                                                                            \
+        }                                                                                                \
+        sums[0] = (int64_t)plain;                                                                        \
+        sums[1] = (int64_t)weighted;                                                                     \
+    }
+SCATTER(uint8_t, scatter1)
+SCATTER(uint16_t, scatter2)
+SCATTER(uint32_t, scatter4)
+SCATTER(uint64_t, scatter8)
+
+/* Returns 0, -1 for an unsupported item size, -2 (nothing written) where a position lies outside the
+ * `n` elements of `dst`. */
+int ws_scatter(void *dst, int64_t n, const int64_t *pos, const void *vals, int64_t k, int item,
+               int64_t byte_base, void *old, int64_t *sums) {
+    int64_t lo = 0, hi = 0;
+    for (int64_t j = 0; j < k; j++) {
+        lo = pos[j] < lo ? pos[j] : lo;
+        hi = pos[j] > hi ? pos[j] : hi;
+    }
+    if (k && (lo < 0 || hi >= n)) return -2;
+    switch (item) {
+    case 1: scatter1(dst, pos, vals, k, byte_base, old, sums); return 0;
+    case 2: scatter2(dst, pos, vals, k, byte_base, old, sums); return 0;
+    case 4: scatter4(dst, pos, vals, k, byte_base, old, sums); return 0;
+    case 8: scatter8(dst, pos, vals, k, byte_base, old, sums); return 0;
+    }
+    return -1;
+}
+
+/* Positions of an encoding's index chunks: chunks[c] * chunk + offset for each of counts[c] offsets
+ * (int16 stored as offset - 32768 when off_bytes is 2, else int32). Returns 0, -1 where an offset lies
+ * outside its chunk, -2 where positions do not strictly increase (a repeat would write an element twice). */
+int ws_index_positions(const int64_t *chunks, const int64_t *counts, int64_t nchunks, const void *offsets,
+                       int off_bytes, int64_t chunk, int64_t *out) {
+    const int16_t *o16 = offsets;
+    const int32_t *o32 = offsets;
+    int64_t j = 0, last = -1;
+    int bad = 0, unordered = 0;
+    for (int64_t c = 0; c < nchunks; c++) {
+        int64_t at = chunks[c] * chunk;
+        for (int64_t e = 0; e < counts[c]; e++, j++) {
+            int64_t off = off_bytes == 2 ? (int64_t)o16[j] + 32768 : (int64_t)o32[j];
+            int64_t p = at + off;
+            bad |= (off < 0) | (off >= chunk);
+            unordered |= p <= last;
+            out[j] = p;
+            last = p;
+        }
+    }
+    return bad ? -1 : unordered ? -2 : 0;
+}
+
+static uint8_t bit_table[256][8], bit_count[256];
+
+/* Fills the table of each byte's set bits and picks the scan for this CPU; the loader calls it once,
+ * before any kernel runs. `allow_simd` 0 keeps the portable scans (the tests compare both). */
+void ws_init(int allow_simd) {
+#ifdef WS_AVX512
+    __builtin_cpu_init();
+    use_avx512 = allow_simd && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vbmi2");
+#else
+    (void)allow_simd;
+#endif
+    for (int v = 0; v < 256; v++) {
+        int n = 0;
+        for (int b = 0; b < 8; b++)
+            if (v >> b & 1) bit_table[v][n++] = (uint8_t)b;
+        bit_count[v] = (uint8_t)n;
+    }
+}
+
+/* Positions of an encoding's bitmask chunks (bit b of byte j of the concatenated masks: element 8j + b of
+ * its chunk), ascending, branch-free through the table of each byte's set bits (8 entries written per
+ * byte, the count advanced by its bits). Returns how many bits are set; positions are written only while
+ * 8 entries of `cap` are left, so a mask setting more bits than the caller expects overruns nothing. */
+int64_t ws_bitmask_positions(const uint8_t *bits, int64_t nbytes, const int64_t *chunks, int64_t chunk,
+                             int64_t *out, int64_t cap) {
+    int64_t k = 0, per_chunk = chunk / 8;
+    for (int64_t j = 0; j < nbytes; j++) {
+        uint8_t v = bits[j];
+        if (k + 8 <= cap) {
+            int64_t base = chunks[j / per_chunk] * chunk + (j % per_chunk) * 8;
+            for (int b = 0; b < 8; b++) out[k + b] = base + bit_table[v][b];
+        }
+        k += bit_count[v];
+    }
+    return k;
+}
+
+/* Whether the scans use the CPU's vector extensions (1) or the portable loops (0). */
+int ws_simd(void) { return use_avx512; }
