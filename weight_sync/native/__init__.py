@@ -8,8 +8,8 @@ costs 20-40 ns per change: at 2% changed, several times the compare itself. ``de
 in one branch-free pass (see its comments).
 
 The source is compiled once per machine with the C compiler (``$CC``, else ``cc``) into a cache
-directory (``$WEIGHT_SYNC_NATIVE_CACHE``, else ``~/.cache/weight_sync/native``) under a name made from
-the source's hash, so processes share one build and a changed source builds anew. No Python headers
+directory (``$WEIGHT_SYNC_NATIVE_CACHE``, else ``~/.cache/weight_sync/native``, else a per-user
+directory under the temporary directory) under a name made from the source's hash, so processes share one build and a changed source builds anew. No Python headers
 are needed: the library is plain C loaded through ctypes. Where there is no compiler, the build fails,
 or ``WEIGHT_SYNC_NATIVE=0`` is set, :func:`enabled` is False and callers use their numpy paths, which
 give the same bytes (the tests run both).
@@ -53,18 +53,36 @@ _SIGNATURES = {
 }
 
 
-def _cache_dir() -> Path:
+def _cache_dirs() -> list[Path]:
+    """Where the built library may live, in order: ``$WEIGHT_SYNC_NATIVE_CACHE`` if set, else the user's
+    cache, then a per-user directory under the temporary directory (a read-only home still builds)."""
     given = os.environ.get("WEIGHT_SYNC_NATIVE_CACHE")
-    return Path(given) if given else Path.home() / ".cache" / "weight_sync" / "native"
+    if given:
+        return [Path(given)]
+    return [Path.home() / ".cache" / "weight_sync" / "native",
+            Path(tempfile.gettempdir()) / f"weight_sync-native-{os.getuid()}"]
+
+
+def _writable_dir(dirs: list[Path]) -> Path:
+    for d in dirs:
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            continue
+        if os.access(d, os.W_OK):
+            return d
+    raise OSError(f"no writable directory for the native kernels among {[str(d) for d in dirs]}")
 
 
 def _build(source: bytes, compiler: str) -> Path:
     """The compiled library for ``source``, built into the cache unless already there."""
     key = hashlib.sha256(source + repr((_FLAGS, compiler, platform.machine(), platform.system())).encode())
-    out = _cache_dir() / f"libws_delta_{key.hexdigest()[:16]}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
+    name = f"libws_delta_{key.hexdigest()[:16]}.so"
+    dirs = _cache_dirs()
+    for d in dirs:
+        if (d / name).exists():
+            return d / name
+    out = _writable_dir(dirs) / name
     # Built under a temporary name and renamed: processes building at once each rename a whole library.
     fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
     os.close(fd)
