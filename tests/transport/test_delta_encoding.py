@@ -266,6 +266,15 @@ def test_deferred_checks_are_all_raised_later_and_a_good_payload_passes_them() -
     assert torch.equal(bpos, torch.arange(0, 60, 6)) and not ipos.numel()
 
 
+def test_a_table_naming_an_unknown_chunk_form_is_refused() -> None:
+    from weight_sync.transport.delta import decode_delta
+
+    bad = _bitmask_payload().clone()
+    bad[16:20] = torch.tensor([7], dtype=torch.int32).view(torch.uint8)  # the first chunk's form
+    with pytest.raises(LayoutMismatchError, match=r"chunk form outside 0\.\.3"):
+        decode_delta(bad, 64, torch.float32)
+
+
 def test_headers_read_ahead_for_a_bucket_decode_as_the_payloads_own() -> None:
     from weight_sync.transport.delta import decode_delta, read_heads
 

@@ -435,18 +435,22 @@ def _parse(payload: torch.Tensor, numel: int, dtype: torch.dtype, head: np.ndarr
     if payload.numel() < pos + table_bytes:
         raise LayoutMismatchError(f"delta payload: {payload.numel()} bytes cannot hold a table of {num_chunks} chunks")
     raw = head[pos : pos + table_bytes] if head.size >= pos + table_bytes else payload[pos : pos + table_bytes].cpu().numpy()
-    table = raw.view(np.int32).reshape(num_chunks, 2).astype(np.int64)
+    # Rows (forms, counts), each contiguous: the torch views below need no copy.
+    table = raw.view(np.int32).reshape(num_chunks, 2).T.astype(np.int64, order="C")
     pos += _align8(table_bytes)
-    form_np, counts_np = table[:, 0], table[:, 1]
-    is_pl = form_np == FORM_PLAIN
-    is_bm, is_ix = form_np == FORM_BITMASK, form_np == FORM_INDEX
-    n_bitmask = int(is_bm.sum())
-    n_index_vals = int(counts_np[is_ix].sum())
-    n_sparse = n_index_vals + int(counts_np[is_bm].sum())
-    n_plain = int(is_pl.sum()) * chunk_elems
-    if num_chunks and bool(is_pl[-1]):
+    form_np, counts_np = table[0], table[1]
+    if num_chunks and (int(form_np.min()) < FORM_SAME or int(form_np.max()) > FORM_PLAIN):
+        raise LayoutMismatchError(f"delta payload: a chunk form outside {FORM_SAME}..{FORM_PLAIN} in its table")
+    # Chunks and changes per form in two passes (this runs for every tensor of every delta).
+    chunks_of = np.bincount(form_np, minlength=4)
+    changes_of = np.bincount(form_np, weights=counts_np, minlength=4)
+    n_bitmask = int(chunks_of[FORM_BITMASK])
+    n_index_vals = int(changes_of[FORM_INDEX])
+    n_sparse = n_index_vals + int(changes_of[FORM_BITMASK])
+    n_plain = int(chunks_of[FORM_PLAIN]) * chunk_elems
+    if num_chunks and int(form_np[-1]) == FORM_PLAIN:
         n_plain -= num_chunks * chunk_elems - numel  # the last chunk is short
-    form, counts = torch.from_numpy(np.ascontiguousarray(form_np)), torch.from_numpy(np.ascontiguousarray(counts_np))
+    form, counts = torch.from_numpy(form_np), torch.from_numpy(counts_np)
     off_bytes = _offset_bytes(chunk_elems)
     lengths = (n_bitmask * (chunk_elems // 8), n_index_vals * off_bytes, n_sparse * item, n_plain * item)
     regions = []
