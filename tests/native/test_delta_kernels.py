@@ -88,10 +88,14 @@ def test_a_scatter_writes_the_values_returns_the_old_ones_and_moves_the_checksum
     assert np.array_equal(sums, _checksum_change_np(pos * item + byte_base, want_old, vals, item))
 
 
-def test_a_scatter_beyond_its_destination_is_refused_before_any_write() -> None:
+def test_a_scatter_beyond_its_destination_or_of_other_values_is_refused_before_any_write() -> None:
     dst = np.arange(100, dtype=np.int16)
     with pytest.raises(LayoutMismatchError, match="outside the destination's 100 elements"):
         native.scatter(dst, np.array([3, 100], dtype=np.int64), np.array([7, 7], dtype=np.int16), 0)
+    with pytest.raises(LayoutMismatchError, match="values of int32 for 2 positions of a int16"):
+        native.scatter(dst, np.array([3, 4], dtype=np.int64), np.array([7, 7], dtype=np.int32), 0)
+    with pytest.raises(LayoutMismatchError, match="1 values of int16 for 2 positions"):
+        native.scatter(dst, np.array([3, 4], dtype=np.int64), np.array([7], dtype=np.int16), 0)
     assert np.array_equal(dst, np.arange(100, dtype=np.int16))
 
 

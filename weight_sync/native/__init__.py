@@ -186,8 +186,12 @@ def scatter(dst: np.ndarray, pos: np.ndarray, vals: np.ndarray, byte_base: int) 
     checked to lie inside ``dst`` before the first write): returns the overwritten values and the int64 ``[plain, weighted]`` checksum move of the
     tensor ``dst`` starts ``byte_base`` bytes into (``delta_apply._checksum_change_np``'s numbers)."""
     lib = _need(library())
+    if vals.dtype != dst.dtype or vals.size != pos.size:
+        # Bytes are written as they are: a dtype conversion here would change values, not move them.
+        raise LayoutMismatchError(f"delta scatter: {vals.size} values of {vals.dtype} for {pos.size} positions "
+                                  f"of a {dst.dtype} destination")
     pos = np.ascontiguousarray(pos, dtype=np.int64)
-    vals = np.ascontiguousarray(vals, dtype=dst.dtype)
+    vals = np.ascontiguousarray(vals)
     old = np.empty(pos.size, dtype=dst.dtype)
     sums = np.zeros(2, dtype=np.int64)
     rc = lib.ws_scatter(_ptr(dst), dst.size, _ptr(pos), _ptr(vals), pos.size, dst.dtype.itemsize, byte_base,
