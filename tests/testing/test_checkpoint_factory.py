@@ -69,6 +69,36 @@ def test_run_distributed_raises_with_the_failing_ranks_traceback() -> None:
         run_distributed(_boom, 2)
 
 
+def test_a_process_group_that_fails_to_connect_is_set_up_once_more_and_then_reported(monkeypatch, caplog) -> None:
+    from weight_sync.testing import distributed
+
+    calls = []
+
+    def flaky(*a):
+        calls.append(a)
+        if len(calls) == 1:
+            raise distributed._MeshFailure("rank 0 of 2 failed setting up its process group:\nconnectFullMesh failed")
+        return ["ok", "ok"]
+
+    monkeypatch.setattr(distributed, "_run_once", flaky)
+    assert run_distributed(_ok, 2) == ["ok", "ok"] and len(calls) == 2
+    assert "did not connect, spawning them again" in caplog.text
+
+    def broken(*a):
+        raise distributed._MeshFailure("rank 1 of 2 failed setting up its process group:\nconnectFullMesh failed")
+
+    monkeypatch.setattr(distributed, "_run_once", broken)
+    with pytest.raises(DistributedFailure, match="failed setting up its process group") as raised:
+        run_distributed(_ok, 2)
+    assert type(raised.value) is DistributedFailure  # reported after the second attempt, not retried again
+
+
+def test_a_process_group_setup_error_that_is_no_connection_failure_is_raised_at_once() -> None:
+    # A misconfiguration fails the same way every time: no second attempt.
+    with pytest.raises(DistributedFailure, match="failed setting up its process group"):
+        run_distributed(_ok, 2, env={"GLOO_SOCKET_IFNAME": "ws-no-such-interface"})
+
+
 def test_run_distributed_times_out_instead_of_hanging() -> None:
     with pytest.raises(DistributedFailure, match=r"ranks \[0, 1\] did not finish within 8 s"):
         run_distributed(_hang, 2, timeout_s=8)

@@ -8,6 +8,7 @@ outlasts ``timeout_s`` is terminated and reported with the ranks that had not fi
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
 import pickle
@@ -19,6 +20,8 @@ from datetime import timedelta
 from typing import Any
 
 __all__ = ["DistributedFailure", "run_distributed"]
+
+log = logging.getLogger(__name__)
 
 
 class DistributedFailure(RuntimeError):
@@ -35,8 +38,13 @@ def _child(
 
         store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False,
                               timeout=timedelta(seconds=timeout_s))
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout_s))
+        try:
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                    timeout=timedelta(seconds=timeout_s))
+        except BaseException:
+            # Before ``fn`` ran: the parent may spawn the ranks again (see _MESH_ERRORS).
+            results.put((rank, "setup-error", traceback.format_exc()))
+            return
         try:
             out = fn(rank, world_size, *args)
         finally:
@@ -46,6 +54,16 @@ def _child(
         results.put((rank, "ok", pickle.dumps(out)))
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
+
+
+class _MeshFailure(DistributedFailure):
+    """The ranks' process group could not connect its mesh (before ``fn`` ran anywhere)."""
+
+
+# What a gloo mesh that failed to connect says. On a shared host a connection of the mesh can be closed
+# or refused by something outside the run (seen once on CI: "connectFullMesh failed ... Connection closed
+# by peer" in a trivial two-rank run); nothing of ``fn`` has run then, so the ranks are spawned once more.
+_MESH_ERRORS = ("connectFullMesh", "Connection closed by peer", "Connection reset by peer", "Connection refused")
 
 
 def run_distributed(
@@ -59,11 +77,26 @@ def run_distributed(
     """Spawn ``world_size`` ranks running ``fn(rank, world_size, *args)``; return results by rank.
 
     ``fn`` must be importable (defined at module level). ``env`` is added to each child's environment.
+    A process group whose connections fail to come up (before ``fn`` runs) is set up once more, with
+    freshly spawned ranks; any other failure is raised at once.
     """
-    import torch.distributed as dist
-
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    try:
+        return _run_once(fn, world_size, args, backend, timeout_s, env)
+    except _MeshFailure as e:
+        log.warning("run_distributed: the ranks' process group did not connect, spawning them again: %s",
+                    str(e).strip().splitlines()[-1])
+    try:
+        return _run_once(fn, world_size, args, backend, timeout_s, env)
+    except _MeshFailure as e:
+        raise DistributedFailure(str(e)) from None
+
+
+def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, backend: str, timeout_s: float,
+              env: dict[str, str] | None) -> list[Any]:
+    import torch.distributed as dist
+
     ctx = mp.get_context("spawn")
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True,
                           timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
@@ -101,6 +134,9 @@ def run_distributed(
                         raise DistributedFailure(f"ranks died without a result: exit codes {codes}") from None
                 else:
                     continue
+            if status == "setup-error":
+                kind = _MeshFailure if any(m in payload for m in _MESH_ERRORS) else DistributedFailure
+                raise kind(f"rank {rank} of {world_size} failed setting up its process group:\n{payload}")
             if status == "error":
                 raise DistributedFailure(f"rank {rank} of {world_size} failed:\n{payload}")
             out[rank] = pickle.loads(payload)
