@@ -9,8 +9,9 @@ in one branch-free pass (see its comments).
 
 The source is compiled once per machine with the C compiler (``$CC``, else ``cc``) into a cache
 directory (``$WEIGHT_SYNC_NATIVE_CACHE``, else ``~/.cache/weight_sync/native``, else a per-user
-directory under the temporary directory) under a name made from the source's hash, so processes share one build and a changed source builds anew. No Python headers
-are needed: the library is plain C loaded through ctypes. Where there is no compiler, the build fails,
+directory under the temporary directory) under a name made from the source's hash, so processes share
+one build and a changed source builds anew. No Python headers are needed: the library is plain C loaded
+through ctypes. Where there is no compiler, the build fails,
 or ``WEIGHT_SYNC_NATIVE=0`` is set, :func:`enabled` is False and callers use their numpy paths, which
 give the same bytes (the tests run both).
 """
@@ -183,8 +184,9 @@ def delta_scan(new: np.ndarray, base: np.ndarray, chunk: int, *, advance: bool =
 
 def scatter(dst: np.ndarray, pos: np.ndarray, vals: np.ndarray, byte_base: int) -> tuple[np.ndarray, np.ndarray]:
     """Write ``vals`` at ``pos`` into ``dst`` (flat, contiguous, one integer dtype; every position is
-    checked to lie inside ``dst`` before the first write): returns the overwritten values and the int64 ``[plain, weighted]`` checksum move of the
-    tensor ``dst`` starts ``byte_base`` bytes into (``delta_apply._checksum_change_np``'s numbers)."""
+    checked to lie inside ``dst`` before the first write): returns the overwritten values and the int64
+    ``[plain, weighted]`` checksum move of the tensor ``dst`` starts ``byte_base`` bytes into
+    (``delta_apply._checksum_change_np``'s numbers)."""
     lib = _need(library())
     if vals.dtype != dst.dtype or vals.size != pos.size:
         # Bytes are written as they are: a dtype conversion here would change values, not move them.

@@ -208,8 +208,9 @@ int ws_index_positions(const int64_t *chunks, const int64_t *counts, int64_t nch
 
 static uint8_t bit_table[256][8], bit_count[256];
 
-/* Fills the table of each byte's set bits and picks the scan for this CPU; the loader calls it once,
- * before any kernel runs. `allow_simd` 0 keeps the portable scans (the tests compare both). */
+/* Fills the table of each byte's set bits and picks the scan for this CPU; the loader calls it before
+ * any kernel runs, and simd() again to switch scans. `allow_simd` 0 keeps the portable scans (the tests
+ * compare both). */
 void ws_init(int allow_simd) {
 #ifdef WS_AVX512
     __builtin_cpu_init();
