@@ -73,4 +73,3 @@ def cpu_delta_kernels(request: pytest.FixtureRequest) -> Iterator[str]:
             os.environ.pop("WEIGHT_SYNC_NATIVE", None)
         else:
             os.environ["WEIGHT_SYNC_NATIVE"] = before
-
