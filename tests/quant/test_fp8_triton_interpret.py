@@ -89,6 +89,26 @@ for name, c in cases.items():
 quantize_fp8_matrices_grouped(matrices, FP8_MAX, _EPS)
 for name, bands in zip(names, matrices):
     out[name]["matrix"] = (torch.cat([q for _, q, _ in bands]), bands[0][2])
+# The per-tensor launches from a table made once for fixed targets: each matrix as up to three bands
+# (fresh, aligned sources), every matrix of one source dtype in one GroupedMatrices.
+from weight_sync.quant.fp8_grouped import GroupedMatrices
+per_dtype = {}
+for name in names:
+    w = cases[name]["w"]
+    q, s = torch.zeros(w.shape, dtype=torch.float8_e4m3fn), torch.zeros(1)
+    n = w.shape[0]
+    cuts = sorted({0, n // 3, 2 * n // 3, n})
+    group = per_dtype.setdefault(w.dtype, ([], [], []))
+    for a, b in zip(cuts, cuts[1:]):
+        if b > a:
+            group[0].append((q[a:b], s))
+            group[1].append(w[a:b].clone())
+    group[2].append((name, q, s))
+for dtype, (targets, srcs, made) in per_dtype.items():
+    ready = GroupedMatrices(targets, [tuple(t.shape) for t in srcs], dtype, FP8_MAX, _EPS)
+    assert ready.launch(srcs)
+    for name, q, s in made:
+        out[name]["matrix_tabled"] = (q, s)
 # The same launches from a table made once for fixed targets (a replayed bucket list's path).
 from weight_sync.quant.fp8_grouped import GroupedBands
 by_dtype = {}
@@ -201,6 +221,30 @@ def test_the_grouped_per_tensor_kernels_quantize_a_matrix_given_as_bands_like_th
     case, (q, s) = CASES[name], interpreted[name]["matrix"]
     ref_q, ref_s = quantize_fp8(case["w"], Fp8Config(granularity="tensor"))
     assert_same_bits(q, s, ref_q, ref_s, name)
+
+
+@needs_triton
+@pytest.mark.parametrize("name", MATRICES)
+def test_the_per_tensor_kernels_from_a_table_made_once_quantize_a_matrix_given_as_bands_like_the_whole(
+    name: str, interpreted,
+) -> None:
+    case, (q, s) = CASES[name], interpreted[name]["matrix_tabled"]
+    ref_q, ref_s = quantize_fp8(case["w"], Fp8Config(granularity="tensor"))
+    assert_same_bits(q, s, ref_q, ref_s, name)
+
+
+def test_a_per_tensor_table_made_once_launches_nothing_for_a_strided_or_misaligned_source() -> None:
+    from weight_sync.quant.fp8 import _EPS, FP8_MAX
+    from weight_sync.quant.fp8_grouped import GroupedMatrices
+
+    q, s = torch.zeros(128, 256, dtype=torch.float8_e4m3fn), torch.zeros(1)
+    ready = GroupedMatrices([(q[:64], s), (q[64:], s)], [(64, 256), (64, 256)], torch.bfloat16, FP8_MAX, _EPS)
+    wide = torch.randn(64, 512).to(torch.bfloat16)
+    flat = torch.randn(64 * 256 + 1).to(torch.bfloat16)
+    ok = torch.randn(64, 256).to(torch.bfloat16)
+    assert not ready.launch([ok, wide[:, :256]])  # not contiguous
+    assert not ready.launch([flat[1:].view(64, 256), ok])  # 2 bytes past an aligned address
+    assert not q.view(torch.uint8).any() and not s.any()  # nothing was written
 
 
 def test_the_fused_kernel_refuses_what_it_does_not_handle() -> None:

@@ -270,6 +270,22 @@ def band_functions(config: Fp8Config) -> tuple[Callable[..., None], Callable[...
     return fns
 
 
+def tabled_fp8_matrix_bands(targets: list[tuple[torch.Tensor, torch.Tensor]], shapes: list[tuple[int, int]],
+                            dtype: torch.dtype) -> Any:
+    """:func:`quantize_fp8_matrix_bands` into fixed ``targets`` (every band of each one-scale matrix) for
+    sources of ``shapes`` and ``dtype``, made ready once (a
+    :class:`~weight_sync.quant.fp8_grouped.GroupedMatrices`), or None where the bands would not take the
+    grouped kernels (off CUDA, no Triton, a target row view without unit column stride, an empty band)."""
+    if not (targets and targets[0][0].is_cuda and triton_available()):
+        return None
+    device = targets[0][0].device
+    if not all(q.stride(1) == 1 and q.device == device for q, _ in targets) or any(n == 0 or k == 0 for n, k in shapes):
+        return None
+    from weight_sync.quant.fp8_grouped import GroupedMatrices
+
+    return GroupedMatrices(targets, shapes, dtype, FP8_MAX, _EPS)
+
+
 _PER_TENSOR = Fp8Config(granularity="tensor")
 
 
@@ -385,7 +401,7 @@ class Fp8LinearMethod(OnlineQuantLinearMethod):
             return None
         if granularity == "tensor":
             return RowBands(align=1, target=self._band_target, quantize=quantize_fp8_matrix_bands,
-                            matrix_rows=shape[0])
+                            matrix_rows=shape[0], table=tabled_fp8_matrix_bands)
         quantize, table = band_functions(self.config)
         return RowBands(align=self.config.block_size[0] if granularity == "block" else 1,
                         target=self._band_target, quantize=quantize, table=table)

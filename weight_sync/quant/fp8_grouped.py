@@ -24,7 +24,7 @@ import torch
 
 from weight_sync.quant.fp8_triton import _f32_bits, _launch_device, fused_geometry, launch_table
 
-__all__ = ["GroupedBands", "quantize_fp8_grouped", "quantize_fp8_matrices_grouped"]
+__all__ = ["GroupedBands", "GroupedMatrices", "quantize_fp8_grouped", "quantize_fp8_matrices_grouped"]
 
 
 
@@ -351,3 +351,77 @@ def quantize_fp8_matrices_grouped(
             rows, most = _matrix_table(group, _CAST_TILE)
             cast[(most, count)](launch_table(rows, device), w0, q0, bits, eps_bits, fmax,
                                 BM=_CAST_TILE[0], BN=_CAST_TILE[1], ALIGNED=aligned, enable_fp_fusion=False)
+
+
+class GroupedMatrices:
+    """The two launches of :func:`quantize_fp8_matrices_grouped` into fixed destinations, tabled once.
+
+    What :class:`GroupedBands` is for block and channel scales, for per-tensor ones: a replayed bucket
+    list quantizes the same whole one-scale matrices (a fused qkv, an expert's gate and up) into the
+    same live ``(q, s)`` views at every update. ``targets[i]`` is band ``i``'s ``(q rows, one-element
+    scale)``; bands sharing a scale view are one matrix, and every band of each matrix is among the
+    targets. Everything of the two launch tables but the source pointers is computed here, once, for
+    contiguous, 16-byte aligned sources of ``dtype``; :meth:`launch` fills those in, zeroes the matrices'
+    absmax bits and launches the absmax kernel, then the cast kernel - the same kernels on the same tiles
+    as :func:`quantize_fp8_matrices_grouped`, bitwise the same bytes - or returns False, having launched
+    nothing, for a source that is not contiguous or not aligned.
+    """
+
+    __slots__ = ("absmax", "cast", "device", "eps_bits", "fmax", "matrices", "n", "targets0")
+
+    def __init__(self, targets: Sequence[tuple[torch.Tensor, torch.Tensor]], shapes: Sequence[tuple[int, int]],
+                 dtype: torch.dtype, fmax: float, eps: float) -> None:
+        self.n = len(targets)
+        self.device = targets[0][0].device if targets else torch.device("cpu")
+        self.fmax, self.eps_bits = fmax, _f32_bits(eps)
+        slots: dict[int, int] = {}
+        tables: tuple[list[int], list[int]] = ([], [])
+        most = [1, 1]
+        aligned = True
+        for (q, s), (n, k) in zip(targets, shapes, strict=True):
+            slot = slots.setdefault(s.data_ptr(), len(slots))
+            aligned = aligned and q.data_ptr() % 16 == 0 and q.stride(0) % 16 == 0 and k % 16 == 0
+            for i, tile in enumerate((_ABSMAX_TILE, _CAST_TILE)):
+                col_tiles = -(-k // tile[1])
+                tiles = -(-n // tile[0]) * col_tiles
+                most[i] = max(most[i], tiles)
+                tables[i].extend((0, q.data_ptr(), s.data_ptr(), n, k, k, q.stride(0), slot, col_tiles, tiles))
+        self.matrices = len(slots)
+        self.targets0 = targets[0] if targets else None
+        # Per kernel: (the [n, 10] host table with the source column zero, programs per band); both
+        # launches take the targets' alignment (the sources' is checked per launch).
+        self.absmax = (torch.tensor(tables[0], dtype=torch.int64).view(-1, _MATRIX_FIELDS), most[0], aligned)
+        self.cast = (torch.tensor(tables[1], dtype=torch.int64).view(-1, _MATRIX_FIELDS), most[1], aligned)
+
+    def launch(self, srcs: Sequence[torch.Tensor]) -> bool:
+        """Quantize ``srcs[i]`` (of the shape and dtype given at construction) into target ``i``; False,
+        nothing launched, if a source is not contiguous or not 16-byte aligned."""
+        if len(srcs) != self.n:
+            raise ValueError(f"GroupedMatrices: {self.n} destinations, {len(srcs)} sources")
+        if not self.n:
+            return True
+        if not all(map(_contiguous, srcs)):
+            return False
+        ptrs = list(map(_data_ptr, srcs))
+        if reduce(or_, ptrs, 0) & 15:
+            return False
+        assert self.targets0 is not None
+        q0 = self.targets0[0]
+        absmax, cast = _matrix_kernels()
+        column = torch.tensor(ptrs, dtype=torch.int64)
+        on_cuda = self.device.type == "cuda"
+        bits = torch.zeros(self.matrices, dtype=torch.int32, device=self.device)
+        with _launch_device(srcs[0]):
+            for (base, most, aligned), kernel in ((self.absmax, absmax), (self.cast, cast)):
+                table = torch.empty(base.shape, dtype=torch.int64, pin_memory=on_cuda)
+                table.copy_(base)
+                table[:, 0] = column
+                dev_table = table.to(self.device, non_blocking=True) if on_cuda else table
+                if kernel is absmax:
+                    kernel[(most, self.n)](dev_table, srcs[0], bits, BM=_ABSMAX_TILE[0], BN=_ABSMAX_TILE[1],
+                                           ALIGNED=aligned, num_warps=8)
+                else:
+                    kernel[(most, self.n)](dev_table, srcs[0], q0, bits, self.eps_bits, self.fmax,
+                                           BM=_CAST_TILE[0], BN=_CAST_TILE[1], ALIGNED=aligned,
+                                           enable_fp_fusion=False)
+        return True

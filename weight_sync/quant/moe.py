@@ -43,6 +43,7 @@ from weight_sync.quant.fp8 import (
     quantize_fp8,
     quantize_fp8_bands,
     quantize_fp8_matrix_bands,
+    tabled_fp8_matrix_bands,
 )
 from weight_sync.quant.online import (
     RELOAD_TARGETS,
@@ -204,7 +205,8 @@ class Fp8FusedMoEMethod(FusedMoEMethod):
             return qm, (sm[matrix : matrix + 1] if per_tensor else sm[matrix, row // bn : -(-end // bn)])
 
         if per_tensor:
-            return RowBands(align=1, target=target, quantize=quantize_fp8_matrix_bands, matrix_rows=shape[1])
+            return RowBands(align=1, target=target, quantize=quantize_fp8_matrix_bands, matrix_rows=shape[1],
+                            table=tabled_fp8_matrix_bands)
         quantize, table = band_functions(self.config)
         return RowBands(align=bn, target=target, quantize=quantize, table=table)
 
