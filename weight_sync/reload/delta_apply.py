@@ -52,6 +52,7 @@ from weight_sync.quant.delta import apply_quantized_delta_, delta_absmax
 from weight_sync.quant.fp8 import Fp8LinearMethod
 from weight_sync.quant.int8 import Int8LinearMethod
 from weight_sync.quant.online import OnlineQuantLinearMethod, split_over_group
+from weight_sync.reload.lanes import to_device
 from weight_sync.reload.plan import Plan, contiguous_strides
 from weight_sync.reload.report import fingerprint
 from weight_sync.reload.state import LayerInfo, ModelState
@@ -247,7 +248,7 @@ def checksum_changes(writes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor
     if len(writes) == 1:
         return terms.sum(0, keepdim=True)
     seg = torch.arange(len(writes), device=dev).repeat(2 if itemsize == 8 else 1)
-    seg = torch.repeat_interleave(seg, torch.tensor(sizes, device=dev), output_size=d.numel())
+    seg = torch.repeat_interleave(seg, to_device(torch.tensor(sizes), dev), output_size=d.numel())
     return torch.zeros(len(writes), 2, dtype=torch.int64, device=dev).index_add_(0, seg, terms)
 
 

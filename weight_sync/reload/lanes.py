@@ -10,6 +10,9 @@ of every layer the piece writes, taken just before - are ready before any copy r
 them; the current stream then waits for the side stream, so everything the caller or the session does
 next on it (reuse a source, the next piece, a rollback, the checksum or fingerprint at finish) comes
 after every copy. The side stream is made once per device; the waits cost no host synchronization.
+
+Small host tables (positions, sizes, launch tables) go to the device through :func:`to_device`, which
+keeps that promise for host-to-device copies too.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["copy_pairs"]
+__all__ = ["copy_pairs", "to_device"]
 
 _SIDE: dict[int, torch.cuda.Stream] = {}
 
@@ -42,3 +45,15 @@ def copy_pairs(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], device: int) 
         else:
             dst.copy_(src)
     current.wait_stream(side)
+
+
+def to_device(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """A small host tensor on ``dev`` in stream order, without a host synchronization.
+
+    A copy from pageable memory may synchronize with the stream before it stages the bytes (CUDA's API
+    sync rules), which waits for every launch queued so far; from pinned memory it does not, and the
+    caching host allocator keeps the pinned block until the copy has run.
+    """
+    if dev.type == "cuda" and t.device.type == "cpu" and not t.is_pinned():
+        t = t.pin_memory()
+    return t.to(dev, non_blocking=True)

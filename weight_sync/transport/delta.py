@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from weight_sync.errors import ConfigError, LayoutMismatchError
+from weight_sync.reload.lanes import to_device
 from weight_sync.transport.delta_cpu import encode_cpu, sparse_positions_cpu
 from weight_sync.transport.delta_format import (
     _INT_OF_SIZE,
@@ -87,10 +88,9 @@ def _bits(dev: torch.device) -> torch.Tensor:
 
 
 def _to(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
-    """A small host tensor on ``dev`` without a device sync: a blocking host-to-device copy waits for
-    the stream's queued work, and an update decodes every tensor (the copy from pageable memory is
-    staged before the call returns, so the host tensor may go at once)."""
-    return t.to(dev, non_blocking=True)
+    """A small host tensor on ``dev`` without a device sync (:func:`~weight_sync.reload.lanes.to_device`):
+    an update decodes every tensor, and each sync would wait for the launches queued before it."""
+    return to_device(t, dev)
 
 
 def _as_int(t: torch.Tensor) -> torch.Tensor:
@@ -357,6 +357,11 @@ class _Parsed:
     counts: torch.Tensor
     regions: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # bitmask, offsets, sparse, plain
     payload: torch.Tensor | None = None  # the encoding itself (its table, read in place: table)
+    # From the table, on the host: plain chunks, and the changes in bitmask and in index chunks (a
+    # batch decoder groups payloads by these without a torch call per tensor).
+    n_plain_chunks: int = 0
+    n_bits: int = 0
+    n_index: int = 0
 
     @functools.cached_property
     def table(self) -> torch.Tensor | None:
@@ -439,30 +444,31 @@ def _parse(payload: torch.Tensor, numel: int, dtype: torch.dtype, head: np.ndarr
     table = raw.view(np.int32).reshape(num_chunks, 2).T.astype(np.int64, order="C")
     pos += _align8(table_bytes)
     form_np, counts_np = table[0], table[1]
-    if num_chunks and (int(form_np.min()) < FORM_SAME or int(form_np.max()) > FORM_PLAIN):
+    # One comparison for both bounds: a negative form reads as a large unsigned one.
+    if num_chunks and bool((form_np.view(np.uint64) > FORM_PLAIN).any()):
         raise LayoutMismatchError(f"delta payload: a chunk form outside {FORM_SAME}..{FORM_PLAIN} in its table")
     # Chunks and changes per form in two passes (this runs for every tensor of every delta).
-    chunks_of = np.bincount(form_np, minlength=4)
-    changes_of = np.bincount(form_np, weights=counts_np, minlength=4)
-    n_bitmask = int(chunks_of[FORM_BITMASK])
+    chunks_of = np.bincount(form_np, minlength=4).tolist()
+    changes_of = np.bincount(form_np, weights=counts_np, minlength=4).tolist()
+    n_bitmask = chunks_of[FORM_BITMASK]
     n_index_vals = int(changes_of[FORM_INDEX])
-    n_sparse = n_index_vals + int(changes_of[FORM_BITMASK])
-    n_plain = int(chunks_of[FORM_PLAIN]) * chunk_elems
+    n_bits = int(changes_of[FORM_BITMASK])
+    n_plain = chunks_of[FORM_PLAIN] * chunk_elems
     if num_chunks and int(form_np[-1]) == FORM_PLAIN:
         n_plain -= num_chunks * chunk_elems - numel  # the last chunk is short
-    form, counts = torch.from_numpy(form_np), torch.from_numpy(counts_np)
-    off_bytes = _offset_bytes(chunk_elems)
-    lengths = (n_bitmask * (chunk_elems // 8), n_index_vals * off_bytes, n_sparse * item, n_plain * item)
+    item_bytes = (n_bitmask * (chunk_elems // 8), n_index_vals * _offset_bytes(chunk_elems),
+                  (n_bits + n_index_vals) * item, n_plain * item)
     regions = []
-    for n in lengths:
+    for n in item_bytes:
         regions.append(payload[pos : pos + n])
         pos += _align8(n)
-    if pos != payload.numel():
+    if pos != payload.numel() or min(item_bytes) < 0:
         raise LayoutMismatchError(f"delta payload: the table describes {pos} bytes, the payload has {payload.numel()}")
     int_dtype = _INT_OF_SIZE[item] if dtype != torch.bool else torch.uint8
     bitmask, offsets, sparse, plain = regions
-    return _Parsed(chunk_elems, num_chunks, form, counts, (bitmask, offsets, sparse.view(int_dtype), plain.view(int_dtype)),
-                   payload)
+    return _Parsed(chunk_elems, num_chunks, torch.from_numpy(form_np), torch.from_numpy(counts_np),
+                   (bitmask, offsets, sparse.view(int_dtype), plain.view(int_dtype)), payload,
+                   chunks_of[FORM_PLAIN], n_bits, n_index_vals)
 
 
 def delta_stats(payload: torch.Tensor, numel: int, dtype: torch.dtype) -> DeltaStats:

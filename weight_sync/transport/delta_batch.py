@@ -25,12 +25,12 @@ import torch
 from weight_sync.transport.delta import (
     FORM_BITMASK,
     FORM_INDEX,
-    FORM_PLAIN,
     Checks,
     _bits,
     _divmod,
     _parse,
     _Parsed,
+    _to,
     _unpack_offsets,
     decode_delta,
     decode_parsed,
@@ -87,12 +87,10 @@ def decode_together(items: list[tuple[torch.Tensor, int, torch.dtype]], dev: tor
     groups: dict[int, list[_Item]] = {}
     for i, ((payload, numel, dtype), head) in enumerate(zip(items, read_heads([(t, n) for t, n, _ in items]))):
         p = _parse(payload, numel, dtype, head)
-        if bool((p.form == FORM_PLAIN).any()):
+        if p.n_plain_chunks:
             out[i] = decode_parsed(p, numel, dev, checks)
             continue
-        is_bm, is_ix = p.form == FORM_BITMASK, p.form == FORM_INDEX
-        groups.setdefault(p.chunk_elems, []).append(
-            _Item(i, p, numel, int(p.counts[is_bm].sum()), int(p.counts[is_ix].sum())))
+        groups.setdefault(p.chunk_elems, []).append(_Item(i, p, numel, p.n_bits, p.n_index))
     for ce, group in groups.items():
         for item, decoded in zip(group, _decode_group(group, ce, dev, checks)):
             out[item.index] = decoded
@@ -108,7 +106,7 @@ def _decode_group(group: list[_Item], ce: int, dev: torch.device, checks: Checks
     ix_ids = [np.flatnonzero(it.parsed.form.numpy() == FORM_INDEX) for it in group]
     ix_counts = [it.parsed.counts.numpy()[ids] for it, ids in zip(group, ix_ids)]
     packed = np.concatenate([*bm_ids, *ix_ids, *ix_counts]).astype(np.int64)
-    lists = torch.from_numpy(packed).to(dev, non_blocking=True) if packed.size else empty
+    lists = _to(torch.from_numpy(packed), dev) if packed.size else empty
     n_bm_chunks = sum(ids.size for ids in bm_ids)
     n_ix_chunks = sum(ids.size for ids in ix_ids)
     bm_chunk = lists[:n_bm_chunks]
@@ -141,7 +139,7 @@ def _decode_group(group: list[_Item], ce: int, dev: torch.device, checks: Checks
             starts = np.cumsum([it.n_index for it in group])[:-1]
             starts = starts[starts < total_index]
             if starts.size:
-                worse[torch.from_numpy(starts - 1).to(dev, non_blocking=True)] = False
+                worse[_to(torch.from_numpy(starts - 1), dev)] = False
             checks.append((worse.any(), "index offsets repeat or are out of order"))
 
     # Every tensor's last bitmask and last index position against its size, in one comparison.
@@ -164,6 +162,6 @@ def _decode_group(group: list[_Item], ce: int, dev: torch.device, checks: Checks
         out.append((pos, sparse))
     if lasts:
         both = torch.cat([bpos_all, ipos_all])
-        table = torch.from_numpy(np.array([lasts, limits], dtype=np.int64)).to(dev, non_blocking=True)
+        table = _to(torch.from_numpy(np.array([lasts, limits], dtype=np.int64)), dev)
         checks.append(((both[table[0]] >= table[1]).any(), "a changed position lies beyond its tensor's elements"))
     return out
