@@ -77,6 +77,9 @@ STATS: Counter[str] = Counter()
 
 FAULTS = ("shape", "dtype", "unknown", "duplicate", "missing")
 UNKNOWN_NAMES = ("model.layers.7.mlp.up_proj.weight", "model.layers.0.mlp.nonsense.weight")
+# A sparse block's own unknown names: an expert id past the model's 8, a projection experts lack.
+MOE_UNKNOWN_NAMES = (*UNKNOWN_NAMES, "model.layers.1.mlp.experts.8.down_proj.weight",
+                     "model.layers.0.mlp.experts.2.o_proj.weight")
 NO_MANIFEST_ERRORS = {
     "shape": LayoutMismatchError, "dtype": LayoutMismatchError, "unknown": UnknownTensorError,
     "duplicate": DuplicateTensorError, "missing": IncompleteUpdateError,
@@ -165,7 +168,8 @@ class Fault:
         self.kind, self.index, self.name = kind, index, name
 
 
-def inject(draw: Draw, items: list, kind: str) -> tuple[list, Fault]:
+def inject(draw: Draw, items: list, kind: str, unknown_names: Sequence[str] = UNKNOWN_NAMES
+           ) -> tuple[list, Fault]:
     items = list(items)
     k = draw.integer("fault_at", 0, len(items) - 1)
     name, t = items[k]
@@ -176,7 +180,7 @@ def inject(draw: Draw, items: list, kind: str) -> tuple[list, Fault]:
         items[k] = (name, torch.zeros(t.shape, dtype=torch.int32))
         return items, Fault(kind, k, name)
     if kind == "unknown":
-        bad = draw.choice("unknown_name", UNKNOWN_NAMES)
+        bad = draw.choice("unknown_name", unknown_names)
         items.insert(k, (bad, torch.zeros(256, 128, dtype=torch.bfloat16)))
         return items, Fault(kind, k, bad)
     if kind == "duplicate":
@@ -223,6 +227,8 @@ class Driver:
     """One live model, its world, and the lifecycle rules; subclasses say what the model is."""
 
     flavor: str
+    arch: str = "qwen3"  # whose checkpoints (assets) a path route reads
+    unknown_names: Sequence[str] = UNKNOWN_NAMES  # what an injected unknown-name fault sends
     diagnose: bool = True  # name which base version each differing tensor holds (builds fresh loads)
     serves: bool = False  # has generate/logits that must refuse when torn or mid-update
     processed_layers: frozenset[str] = frozenset()  # layers that need all their keys in every update
@@ -375,8 +381,9 @@ class Driver:
         rollback = draw.choice("rollback", (False, True))
         self.note("full_update", route=route, seed=seed, rollback=rollback)
         if route == "path":
+            path = assets(self.arch).paths[seed]
             self.expect("full update from a path",
-                        lambda: self.do_reload(weights_path=assets().paths[seed], rollback=rollback), None)
+                        lambda: self.do_reload(weights_path=path, rollback=rollback), None)
         else:
             items = _wire(draw, _reorder(draw, self.items_of(seed)))
             manifest = manifest_of(items) if draw.choice("manifest", (False, True)) else None
@@ -421,7 +428,7 @@ class Driver:
         if route == "path":
             kind = draw.choice("fault", ("shape", "dtype", "unknown", "missing"))
             self.note("faulty_update", route=route, fault=kind, rollback=rollback)
-            path = assets().faulty_paths[kind]
+            path = assets(self.arch).faulty_paths[kind]
             self.expect(f"update from a checkpoint whose headers hold a {kind} fault",
                         lambda: self.do_reload(weights_path=path, rollback=rollback), ManifestError)
             return  # headers are validated before any write: nothing changed
@@ -433,7 +440,7 @@ class Driver:
                   manifest=with_manifest)
         label = f"update to v{seed} with a {kind} fault ({route})"
         if kind in FAULTS:
-            items, fault = inject(draw, items, kind)
+            items, fault = inject(draw, items, kind, self.unknown_names)
             manifest = manifest_of(items) if with_manifest else None
             announced = with_manifest and kind != "duplicate"
             error = ManifestError if announced else NO_MANIFEST_ERRORS[kind]
@@ -496,7 +503,7 @@ class Driver:
         items = _wire(draw, _reorder(draw, self.items_of(seed)))
         fault = None
         if kind is not None:
-            items, fault = inject(draw, items, kind)
+            items, fault = inject(draw, items, kind, self.unknown_names)
         manifest = manifest_of(items) if with_manifest else None
         if with_manifest and kind not in (None, "duplicate"):
             self.expect(f"begin v{seed} with a manifest announcing a {kind} fault",
@@ -571,7 +578,7 @@ class Driver:
         items = _reorder(draw, self.items_of(seed))
         fault = None
         if kind in FAULTS:
-            items, fault = inject(draw, items, kind)
+            items, fault = inject(draw, items, kind, self.unknown_names)
         elif kind == "source_raises":
             fault = Fault(kind, draw.integer("after", 0, len(items) - 1), "")
         calls = chunks(draw, items)
@@ -618,6 +625,7 @@ ENGINE_FLAVORS: dict[str, dict[str, Any]] = {
     "fp8": {"quantization": "fp8"},
     "bf16": {},
     "fp32": {"dtype": torch.float32},
+    "fp8_block": {"quantization": "fp8_block"},
 }
 # One prompt of a few tokens: a static KV cache of the default size (8 x 512) would cost more than the
 # whole reload lifecycle.
@@ -625,34 +633,37 @@ ENGINE_SIZE = {"max_batch_size": 1, "max_seq_len": 8}
 
 
 class EngineDriver(Driver):
-    """A :class:`ReferenceEngine` (TP=1 in process, or one rank of a TP group)."""
+    """A :class:`ReferenceEngine` of dense Qwen3 or Qwen3-MoE (TP=1 in process, or one rank of a TP group)."""
 
     serves = True
 
-    def __init__(self, flavor: str, tp_group: Any = None) -> None:
+    def __init__(self, flavor: str, tp_group: Any = None, arch: str = "qwen3") -> None:
         from weight_sync.engine import ReferenceEngine
 
         self.flavor = flavor
         self.tp_group = tp_group
+        self.arch = arch
+        if arch == "qwen3_moe":
+            self.unknown_names = MOE_UNKNOWN_NAMES
         self._cls = ReferenceEngine
         # The checkpoints exist before the hygiene baseline (Driver.__init__): the first make_checkpoint
         # of a process creates a tqdm bar (disabled, yet tqdm starts its process-lifetime monitor thread
         # in __new__), which a baseline taken before would count as the first sequence's leak.
-        a = assets()
-        if flavor == "fp8":
+        a = assets(arch)
+        if "quantization" in ENGINE_FLAVORS[flavor]:  # quantized linears and experts: processed layers
             self.processed_layers = frozenset({layer_of(n) for n in a.names if n.endswith("_proj.weight")})
         super().__init__()
 
     def build_model(self) -> nn.Module:
-        self.engine = self._cls.from_checkpoint(assets().paths[0], tp_group=self.tp_group,
+        self.engine = self._cls.from_checkpoint(assets(self.arch).paths[0], tp_group=self.tp_group,
                                                 **ENGINE_FLAVORS[self.flavor], **ENGINE_SIZE)
         return self.engine.model
 
     def version_names(self) -> tuple[str, ...]:
-        return assets().names
+        return assets(self.arch).names
 
     def table(self):
-        return assets().items
+        return assets(self.arch).items
 
     def layer(self, name: str) -> str:
         return layer_of(name)
@@ -664,10 +675,10 @@ class EngineDriver(Driver):
         import torch.distributed as dist
 
         tp = (dist.get_rank(self.tp_group), dist.get_world_size(self.tp_group)) if self.tp_group else (0, 1)
-        return (self.flavor, *tp)
+        return (self.arch, self.flavor, *tp)
 
     def build_fresh(self, key: VersionKey) -> Fresh:
-        a = assets()
+        a = assets(self.arch)
         seeds = set(key)
         opts = dict(tp_group=self.tp_group, **ENGINE_FLAVORS[self.flavor], **ENGINE_SIZE)
         if len(seeds) == 1:

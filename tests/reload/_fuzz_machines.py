@@ -162,6 +162,20 @@ class Fp32EngineMachine(LifecycleMachine):
         return EngineDriver("fp32")
 
 
+class MoeFp8EngineMachine(LifecycleMachine):
+    """Tiny Qwen3-MoE, experts and linears quantized online to fp8 with per-tensor scales."""
+
+    def make_driver(self) -> Driver:
+        return EngineDriver("fp8", arch="qwen3_moe")
+
+
+class MoeFp8BlockEngineMachine(LifecycleMachine):
+    """Tiny Qwen3-MoE, experts and linears quantized online to fp8 with 128x128 block scales."""
+
+    def make_driver(self) -> Driver:
+        return EngineDriver("fp8_block", arch="qwen3_moe")
+
+
 class PlainModuleMachine(LifecycleMachine):
     def make_driver(self) -> Driver:
         return PlainDriver()
@@ -171,5 +185,7 @@ MACHINES = {
     "fp8": Fp8EngineMachine,
     "bf16": Bf16EngineMachine,
     "fp32": Fp32EngineMachine,
+    "moe_fp8": MoeFp8EngineMachine,
+    "moe_fp8_block": MoeFp8BlockEngineMachine,
     "plain": PlainModuleMachine,
 }

@@ -1,8 +1,9 @@
 """The lifecycle fuzzer's model of the world: committed versions, fresh loads of them, and the checks.
 
-A *version* is a dict of checkpoint-format tensors. The base versions are four tiny Qwen3 checkpoints
-(seeds 0-3, written to disk once per process); a partial update that commits makes a composite version
-(each name keeps the seed it was last committed from), so a version is named by one seed per tensor.
+A *version* is a dict of checkpoint-format tensors. The base versions are four tiny checkpoints of one
+arch (dense Qwen3 or Qwen3-MoE; seeds 0-3, written to disk once per process and arch); a partial update
+that commits makes a composite version (each name keeps the seed it was last committed from), so a version
+is named by one seed per tensor.
 
 The world remembers which version the engine must serve (``expected``) and whether a failed update may
 have left it torn (``torn_allowed``). After every step the engine either refuses to serve (torn, and only
@@ -106,32 +107,57 @@ class Assets:
     faulty_paths: dict[str, Path]
 
 
-_ASSETS: Assets | None = None
+@dataclass(frozen=True)
+class Faults:
+    """Where an arch's faulty checkpoint directories put their fault (keys of its checkpoint)."""
+
+    shape: tuple[str, tuple[int, ...]]  # a key and the wrong shape written under it
+    dtype: str  # a key written as int32
+    unknown: tuple[str, str]  # a key the model lacks, and the key whose tensor it carries
+    missing: str  # a key left out
+
 
 K_PROJ = "model.layers.0.self_attn.k_proj.weight"
 
+FAULTS_BY_ARCH = {
+    "qwen3": Faults(shape=(K_PROJ, (7, 128)), dtype=K_PROJ,
+                    unknown=("model.layers.7.mlp.up_proj.weight", "model.layers.0.mlp.up_proj.weight"),
+                    missing="model.norm.weight"),
+    # Expert keys, a router and an expert id past the model's 8: the MoE parts of the name space.
+    "qwen3_moe": Faults(shape=("model.layers.0.mlp.experts.3.down_proj.weight", (7, 64)),
+                        dtype="model.layers.1.mlp.gate.weight",
+                        unknown=("model.layers.0.mlp.experts.8.up_proj.weight",
+                                 "model.layers.0.mlp.experts.0.up_proj.weight"),
+                        missing="model.layers.1.mlp.experts.7.gate_proj.weight"),
+}
 
-def assets() -> Assets:
-    global _ASSETS
-    if _ASSETS is None:
+_ASSETS: dict[str, Assets] = {}
+
+
+def assets(arch: str = "qwen3") -> Assets:
+    """The tiny checkpoints of ``arch`` (a key of :data:`FAULTS_BY_ARCH`), made on first use."""
+    if arch not in _ASSETS:
         from safetensors.torch import save_file
 
-        root = Path(tempfile.mkdtemp(prefix="ws_fuzz_"))
+        root = Path(tempfile.mkdtemp(prefix="ws_fuzz_" if arch == "qwen3" else f"ws_fuzz_{arch}_"))
         atexit.register(shutil.rmtree, root, True)
-        cfg = hf_config("qwen3", "tiny")
+        cfg = hf_config(arch, "tiny")
         paths, items = {}, {}
         for s in SEEDS:
-            paths[s] = make_checkpoint(root / f"v{s}", seed=s, tokenizer=False)
+            paths[s] = make_checkpoint(root / f"v{s}", arch=arch, seed=s, tokenizer=False)
             items[s] = {n: t.clone() for n, t in iter_checkpoint(paths[s])}
         names = tuple(items[0])
         # Checkpoint directories whose headers announce a fault (reload_weights(weights_path=...)).
-        base = items[1]
+        base, f = items[1], FAULTS_BY_ARCH[arch]
+        shape_name, bad_shape = f.shape
+        unknown_name, carried = f.unknown
         faulty = {
-            "shape": {**base, K_PROJ: torch.zeros(7, 128, dtype=torch.bfloat16)},
-            "dtype": {**base, K_PROJ: torch.zeros(64, 128, dtype=torch.int32)},
-            "unknown": {**base, "model.layers.7.mlp.up_proj.weight": base["model.layers.0.mlp.up_proj.weight"].clone()},
-            "missing": {n: t for n, t in base.items() if n != "model.norm.weight"},
+            "shape": {**base, shape_name: torch.zeros(bad_shape, dtype=base[shape_name].dtype)},
+            "dtype": {**base, f.dtype: torch.zeros(base[f.dtype].shape, dtype=torch.int32)},
+            "unknown": {**base, unknown_name: base[carried].clone()},
+            "missing": {n: t for n, t in base.items() if n != f.missing},
         }
+        assert f.missing in base, f.missing
         faulty_paths = {}
         for label, tensors in faulty.items():
             d = root / f"faulty_{label}"
@@ -140,14 +166,16 @@ def assets() -> Assets:
             save_file({n: t.contiguous() for n, t in tensors.items()}, str(d / "model.safetensors"),
                       metadata={"format": "pt"})
             faulty_paths[label] = d
-        _ASSETS = Assets(root, cfg, names, paths, items, faulty_paths)
-    return _ASSETS
+        _ASSETS[arch] = Assets(root, cfg, names, paths, items, faulty_paths)
+    return _ASSETS[arch]
 
 
 def layer_of(name: str) -> str:
-    """The engine layer a checkpoint key lands in (q/k/v fuse into qkv_proj, gate/up into gate_up_proj)."""
+    """The engine layer a checkpoint key lands in (q/k/v fuse into qkv_proj, gate/up into gate_up_proj,
+    every expert's gate/up/down of a sparse block into its one ``mlp.experts``)."""
     layer = name.rsplit(".", 1)[0]
     layer = re.sub(r"self_attn\.[qkv]_proj$", "self_attn.qkv_proj", layer)
+    layer = re.sub(r"mlp\.experts\.\d+\.(gate|up|down)_proj$", "mlp.experts", layer)
     return re.sub(r"mlp\.(gate|up)_proj$", "mlp.gate_up_proj", layer)
 
 

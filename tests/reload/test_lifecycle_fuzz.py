@@ -1,7 +1,8 @@
 """Stateful fuzzing of the reload lifecycle (issue 13): an engine serves one committed version or refuses.
 
-Machines (see ``_fuzz_machines.py`` / ``_fuzz_drivers.py``): the reference engine in fp8 (online
-quantization), bf16 and fp32, TP=1 in process; a plain ``nn.Module`` with one processed layer; the fp8
+Machines (see ``_fuzz_machines.py`` / ``_fuzz_drivers.py``): the reference engine of a tiny dense Qwen3
+in fp8 (online quantization), bf16 and fp32, and of a tiny Qwen3-MoE (8 experts) in fp8 with per-tensor
+and with block scales, TP=1 in process; a plain ``nn.Module`` with one processed layer; the fp8
 engine at TP=2 over gloo as random replays on two spawned ranks; a transport whose sender is killed
 after a random number of tensors. Rules: full updates (path, iterator, transaction API in any order and
 chunking, with or without manifest, rollback on or off), partial updates, updates with an injected fault,
@@ -45,7 +46,7 @@ from weight_sync.reload import register_post_update_hook
 from weight_sync.testing import run_distributed
 
 SCALE = float(os.environ.get("WS_FUZZ_SCALE", "1"))
-EXAMPLES = {"fp8": 8, "bf16": 6, "fp32": 4, "plain": 8}
+EXAMPLES = {"fp8": 8, "bf16": 6, "fp32": 4, "moe_fp8": 12, "moe_fp8_block": 8, "plain": 8}
 STEPS = 12
 
 
@@ -53,7 +54,7 @@ def _examples(n: int) -> int:
     return max(1, round(n * SCALE))
 
 
-@pytest.mark.parametrize("machine", ["fp8", "bf16", "fp32", "plain"])
+@pytest.mark.parametrize("machine", ["fp8", "bf16", "fp32", "moe_fp8", "moe_fp8_block", "plain"])
 def test_every_step_leaves_one_committed_version_or_a_refusal(machine: str) -> None:
     run_state_machine_as_test(MACHINES[machine], settings=machine_settings(_examples(EXAMPLES[machine]), STEPS))
 
