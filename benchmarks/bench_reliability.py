@@ -4,7 +4,8 @@ The same machines as ``tests/reload/test_lifecycle_fuzz.py``, in record mode: a 
 served something other than one committed version, refused without cause, accepted a bad update, moved a
 pointer, left a shim or leaked) is counted with the shortest step log that led to it, and the sequence
 starts again on a fresh engine instead of stopping the run. In process: the reference engine in fp8, bf16
-and fp32 and a plain ``nn.Module`` (hypothesis state machines, no shrinking). Spawned: the fp8 engine at
+and fp32, a plain ``nn.Module``, and on request the tiny Qwen3-MoE engine in fp8 and fp8_block
+(hypothesis state machines, no shrinking). Spawned: the fp8 engine at
 TP=2 over gloo (random replays on two ranks) and transports whose sender is SIGKILLed after a random
 number of tensors (gloo and shm, rollback on and off).
 
@@ -28,7 +29,9 @@ sys.path.append(str(ROOT))  # after PYTHONPATH: a run may point weight_sync at a
 
 from common import env_markdown, environment, write_results  # noqa: E402
 
-SHARES = {"fp8": 0.35, "bf16": 0.25, "fp32": 0.15, "plain": 0.25}
+# Relative shares of the TP=1 sequences (normalized over the machines run). The MoE machines are opt-in
+# (--machines ...,moe_fp8,moe_fp8_block), so the default run stays comparable with earlier results.
+SHARES = {"fp8": 0.35, "bf16": 0.25, "fp32": 0.15, "plain": 0.25, "moe_fp8": 0.2, "moe_fp8_block": 0.15}
 
 
 def run_in_process(machines: list[str], sequences: int, steps: int, seed: int = 0) -> dict:
