@@ -409,19 +409,20 @@ class GroupedMatrices:
         q0 = self.targets0[0]
         absmax, cast = _matrix_kernels()
         column = torch.tensor(ptrs, dtype=torch.int64)
-        on_cuda = self.device.type == "cuda"
         bits = torch.zeros(self.matrices, dtype=torch.int32, device=self.device)
+        (absmax_base, absmax_most, aligned), (cast_base, cast_most, _) = self.absmax, self.cast
         with _launch_device(srcs[0]):
-            for (base, most, aligned), kernel in ((self.absmax, absmax), (self.cast, cast)):
-                table = torch.empty(base.shape, dtype=torch.int64, pin_memory=on_cuda)
-                table.copy_(base)
-                table[:, 0] = column
-                dev_table = table.to(self.device, non_blocking=True) if on_cuda else table
-                if kernel is absmax:
-                    kernel[(most, self.n)](dev_table, srcs[0], bits, BM=_ABSMAX_TILE[0], BN=_ABSMAX_TILE[1],
-                                           ALIGNED=aligned, num_warps=8)
-                else:
-                    kernel[(most, self.n)](dev_table, srcs[0], q0, bits, self.eps_bits, self.fmax,
-                                           BM=_CAST_TILE[0], BN=_CAST_TILE[1], ALIGNED=aligned,
-                                           enable_fp_fusion=False)
+            absmax[(absmax_most, self.n)](self._table(absmax_base, column), srcs[0], bits, BM=_ABSMAX_TILE[0],
+                                          BN=_ABSMAX_TILE[1], ALIGNED=aligned, num_warps=8)
+            cast[(cast_most, self.n)](self._table(cast_base, column), srcs[0], q0, bits, self.eps_bits, self.fmax,
+                                      BM=_CAST_TILE[0], BN=_CAST_TILE[1], ALIGNED=aligned, enable_fp_fusion=False)
         return True
+
+    def _table(self, base: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
+        """``base`` with the sources' pointers in its first column, on the targets' device (through pinned
+        memory on CUDA: copied in stream order, no host synchronization)."""
+        on_cuda = self.device.type == "cuda"
+        table = torch.empty(base.shape, dtype=torch.int64, pin_memory=on_cuda)
+        table.copy_(base)
+        table[:, 0] = column
+        return table.to(self.device, non_blocking=True) if on_cuda else table

@@ -87,12 +87,6 @@ def _bits(dev: torch.device) -> torch.Tensor:
     return t
 
 
-def _to(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
-    """A small host tensor on ``dev`` without a device sync (:func:`~weight_sync.reload.lanes.to_device`):
-    an update decodes every tensor, and each sync would wait for the launches queued before it."""
-    return to_device(t, dev)
-
-
 def _as_int(t: torch.Tensor) -> torch.Tensor:
     """``t`` flattened and reinterpreted as integers of its item size (a view: the same bytes)."""
     size = t.dtype.itemsize
@@ -138,7 +132,7 @@ def _plain_positions(plain_chunks: torch.Tensor, chunk_elems: int, numel: int, d
                      on_device: torch.Tensor | None = None) -> torch.Tensor:
     """Flat positions of the plain chunks' elements, in order (only built when some chunks are plain);
     ``on_device``: the same chunk numbers already on ``dev``."""
-    chunks = _to(plain_chunks, dev) if on_device is None else on_device
+    chunks = to_device(plain_chunks, dev) if on_device is None else on_device
     idx = (chunks.view(-1, 1) * chunk_elems + torch.arange(chunk_elems, device=dev)).reshape(-1)
     # Only the last chunk can be short, and its positions come last: a slice (a boolean index would
     # wait for the device).
@@ -289,7 +283,7 @@ def _encode_torch(vals: torch.Tensor, old: torch.Tensor, ce: int, item: int,
         # Per changed element its chunk's form, unless one form covers every chunk.
         # Repeated on the device from the per-chunk table (a host repeat would move 8 bytes per change).
         elem_form = None if num_chunks in (n_bm, n_ix) else torch.repeat_interleave(
-            _to(form, dev), _to(counts, dev), output_size=pos.numel())
+            to_device(form, dev), to_device(counts, dev), output_size=pos.numel())
 
         def pick(kind: int) -> torch.Tensor:
             if elem_form is None:
@@ -304,7 +298,7 @@ def _encode_torch(vals: torch.Tensor, old: torch.Tensor, ce: int, item: int,
             sel_b = pick(FORM_BITMASK)
             c, within = _divmod(sel_b, ce)
             # Bit position inside the concatenated bitmasks: the chunk's rank among bitmask chunks.
-            rank = _to(torch.cumsum(is_bm, 0) - 1, dev)
+            rank = to_device(torch.cumsum(is_bm, 0) - 1, dev)
             bitpos = rank[c] * ce + within
             bitmask = torch.zeros(n_bm * ce // 8, dtype=torch.uint8, device=dev)
             # Distinct bits of a byte: their sum is their OR.
@@ -321,7 +315,7 @@ def _encode_torch(vals: torch.Tensor, old: torch.Tensor, ce: int, item: int,
 
     table = torch.stack([form, counts], 1).to(torch.int32).reshape(-1)
     header = torch.tensor([MAGIC, ce, num_chunks, item], dtype=torch.int32)
-    head = _to(torch.cat([header, table]).view(torch.uint8), dev)
+    head = to_device(torch.cat([header, table]).view(torch.uint8), dev)
     parts = [head, bitmask, offsets, sparse_vals, plain_vals]
     total = sum(_align8(p.numel()) for p in parts)
     out = torch.empty(total, dtype=torch.uint8, device=dev)
@@ -374,13 +368,13 @@ class _Parsed:
         """The chunk numbers of form ``kind``, ascending, on ``dev`` (no device sync)."""
         host = self.form == kind
         if self.table is None:
-            return _to(host.nonzero().reshape(-1), dev)
+            return to_device(host.nonzero().reshape(-1), dev)
         return torch.nonzero_static(self.table[:, 0] == kind, size=int(host.sum())).reshape(-1)
 
     def chunk_counts(self, chunks: torch.Tensor, dev: torch.device) -> torch.Tensor:
         """The changed counts of ``chunks`` (from :meth:`chunks`), on ``dev``."""
         if self.table is None:
-            return _to(self.counts[chunks.cpu()], dev)
+            return to_device(self.counts[chunks.cpu()], dev)
         return self.table[:, 1][chunks]
 
 
@@ -456,13 +450,13 @@ def _parse(payload: torch.Tensor, numel: int, dtype: torch.dtype, head: np.ndarr
     n_plain = chunks_of[FORM_PLAIN] * chunk_elems
     if num_chunks and int(form_np[-1]) == FORM_PLAIN:
         n_plain -= num_chunks * chunk_elems - numel  # the last chunk is short
-    item_bytes = (n_bitmask * (chunk_elems // 8), n_index_vals * _offset_bytes(chunk_elems),
+    lengths = (n_bitmask * (chunk_elems // 8), n_index_vals * _offset_bytes(chunk_elems),
                   (n_bits + n_index_vals) * item, n_plain * item)
     regions = []
-    for n in item_bytes:
+    for n in lengths:
         regions.append(payload[pos : pos + n])
         pos += _align8(n)
-    if pos != payload.numel() or min(item_bytes) < 0:
+    if pos != payload.numel() or min(lengths) < 0:
         raise LayoutMismatchError(f"delta payload: the table describes {pos} bytes, the payload has {payload.numel()}")
     int_dtype = _INT_OF_SIZE[item] if dtype != torch.bool else torch.uint8
     bitmask, offsets, sparse, plain = regions

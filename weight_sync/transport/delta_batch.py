@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from weight_sync.reload.lanes import to_device
 from weight_sync.transport.delta import (
     FORM_BITMASK,
     FORM_INDEX,
@@ -30,7 +31,6 @@ from weight_sync.transport.delta import (
     _divmod,
     _parse,
     _Parsed,
-    _to,
     _unpack_offsets,
     decode_delta,
     decode_parsed,
@@ -46,8 +46,6 @@ class _Item:
     index: int  # into the caller's list
     parsed: _Parsed
     numel: int
-    n_bits: int  # changes in bitmask chunks (the table's count)
-    n_index: int  # changes in index chunks
 
 
 def decode_deltas(items: list[tuple[torch.Tensor, int, torch.dtype]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -90,7 +88,7 @@ def decode_together(items: list[tuple[torch.Tensor, int, torch.dtype]], dev: tor
         if p.n_plain_chunks:
             out[i] = decode_parsed(p, numel, dev, checks)
             continue
-        groups.setdefault(p.chunk_elems, []).append(_Item(i, p, numel, p.n_bits, p.n_index))
+        groups.setdefault(p.chunk_elems, []).append(_Item(i, p, numel))
     for ce, group in groups.items():
         for item, decoded in zip(group, _decode_group(group, ce, dev, checks)):
             out[item.index] = decoded
@@ -106,14 +104,14 @@ def _decode_group(group: list[_Item], ce: int, dev: torch.device, checks: Checks
     ix_ids = [np.flatnonzero(it.parsed.form.numpy() == FORM_INDEX) for it in group]
     ix_counts = [it.parsed.counts.numpy()[ids] for it, ids in zip(group, ix_ids)]
     packed = np.concatenate([*bm_ids, *ix_ids, *ix_counts]).astype(np.int64)
-    lists = _to(torch.from_numpy(packed), dev) if packed.size else empty
+    lists = to_device(torch.from_numpy(packed), dev) if packed.size else empty
     n_bm_chunks = sum(ids.size for ids in bm_ids)
     n_ix_chunks = sum(ids.size for ids in ix_ids)
     bm_chunk = lists[:n_bm_chunks]
     ix_chunk, ix_count = lists[n_bm_chunks : n_bm_chunks + n_ix_chunks], lists[n_bm_chunks + n_ix_chunks :]
 
     bpos_all = empty
-    total_bits = sum(it.n_bits for it in group)
+    total_bits = sum(it.parsed.n_bits for it in group)
     if n_bm_chunks:
         # Every bitmask region is whole chunks of ce bits: concatenated, bit g * ce + w is offset w of the
         # batch's bitmask chunk g, whose chunk number bm_chunk[g] is in its own tensor.
@@ -126,7 +124,7 @@ def _decode_group(group: list[_Item], ce: int, dev: torch.device, checks: Checks
         bpos_all = bm_chunk[g] * ce + within
 
     ipos_all = empty
-    total_index = sum(it.n_index for it in group)
+    total_index = sum(it.parsed.n_index for it in group)
     if total_index:
         raw = torch.cat([it.parsed.regions[1] for it in group if it.parsed.regions[1].numel()])
         off = _unpack_offsets(raw, ce)
@@ -136,10 +134,10 @@ def _decode_group(group: list[_Item], ce: int, dev: torch.device, checks: Checks
         if total_index > 1:
             # Increasing inside each tensor; a tensor's first offset follows another tensor's last.
             worse = ipos_all[1:] <= ipos_all[:-1]
-            starts = np.cumsum([it.n_index for it in group])[:-1]
+            starts = np.cumsum([it.parsed.n_index for it in group])[:-1]
             starts = starts[starts < total_index]
             if starts.size:
-                worse[_to(torch.from_numpy(starts - 1), dev)] = False
+                worse[to_device(torch.from_numpy(starts - 1), dev)] = False
             checks.append((worse.any(), "index offsets repeat or are out of order"))
 
     # Every tensor's last bitmask and last index position against its size, in one comparison.
@@ -147,14 +145,14 @@ def _decode_group(group: list[_Item], ce: int, dev: torch.device, checks: Checks
     b_at = i_at = 0
     out = []
     for it in group:
-        bpos = bpos_all[b_at : b_at + it.n_bits]
-        ipos = ipos_all[i_at : i_at + it.n_index]
-        b_at += it.n_bits
-        i_at += it.n_index
-        if it.n_bits:
+        bpos = bpos_all[b_at : b_at + it.parsed.n_bits]
+        ipos = ipos_all[i_at : i_at + it.parsed.n_index]
+        b_at += it.parsed.n_bits
+        i_at += it.parsed.n_index
+        if it.parsed.n_bits:
             lasts.append(b_at - 1)
             limits.append(it.numel)
-        if it.n_index:
+        if it.parsed.n_index:
             lasts.append(total_bits + i_at - 1)
             limits.append(it.numel)
         sparse = it.parsed.regions[2]
@@ -162,6 +160,6 @@ def _decode_group(group: list[_Item], ce: int, dev: torch.device, checks: Checks
         out.append((pos, sparse))
     if lasts:
         both = torch.cat([bpos_all, ipos_all])
-        table = _to(torch.from_numpy(np.array([lasts, limits], dtype=np.int64)), dev)
+        table = to_device(torch.from_numpy(np.array([lasts, limits], dtype=np.int64)), dev)
         checks.append(((both[table[0]] >= table[1]).any(), "a changed position lies beyond its tensor's elements"))
     return out
