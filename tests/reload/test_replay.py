@@ -119,6 +119,37 @@ def test_a_parameter_replaced_between_updates_receives_the_replayed_bucket() -> 
     assert not torch.equal(old, norm.weight.data)  # the old storage was not written
 
 
+class _Logged(torch.Tensor):
+    """A tensor subclass with a data_ptr of its own (a replay reads C methods unbound: never for these)."""
+
+    def data_ptr(self) -> int:
+        return super().data_ptr()
+
+
+def test_tensor_subclasses_are_never_replayed_and_load_exactly_through_the_per_key_path() -> None:
+    engine = _fresh(0)
+    for seed in (1, 2, 3):
+        items = [(n, t.as_subclass(_Logged)) for n, t in _weights(seed)]
+        _update(engine, items)
+        assert_bitwise_equal(engine.model, _fresh(seed).model)
+    replays = get_state(engine.model).replays
+    assert not any(isinstance(replays.get(tuple(n for n, _ in b)), ListReplay) for b in _buckets(items))
+
+
+def test_a_record_made_before_the_cached_views_were_dropped_is_never_replayed() -> None:
+    engine = _fresh(0)
+    _update(engine, _weights(1))
+    _update(engine, _weights(2))
+    state = get_state(engine.model)
+    before = {k: state.replays[k] for k in (tuple(n for n, _ in b) for b in _buckets(_weights(2)))}
+    assert all(isinstance(r, ListReplay) for r in before.values())
+    norm = engine.model.get_submodule("model.layers.0.input_layernorm")
+    norm.weight.data = norm.weight.data.clone()  # moved: the next update drops every cached view
+    _update(engine, _weights(3))
+    assert_bitwise_equal(engine.model, _fresh(3).model)
+    assert all(state.replays.get(k) is not r for k, r in before.items())  # each recorded again (or not)
+
+
 @pytest.mark.parametrize("quant", [None, "fp8", "fp8_block"])
 def test_an_updated_model_is_freed_once_its_owner_lets_go(quant) -> None:
     # The reload state is a weak-keyed entry of the model: nothing it keeps between updates (the audit

@@ -17,11 +17,12 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from functools import reduce
-from operator import methodcaller, or_
+from operator import or_
 from typing import Any
 
 import torch
 
+from weight_sync.layers.accessors import data_ptr, is_contiguous
 from weight_sync.quant.fp8_triton import _f32_bits, _launch_device, fused_geometry, launch_table
 
 __all__ = ["GroupedBands", "GroupedMatrices", "quantize_fp8_grouped", "quantize_fp8_matrices_grouped"]
@@ -161,8 +162,6 @@ def owner_map(counts: Sequence[int], device: torch.device) -> tuple[torch.Tensor
     return owner, int(sizes.sum())
 
 
-_data_ptr = methodcaller("data_ptr")
-_contiguous = methodcaller("is_contiguous")
 
 
 class GroupedBands:
@@ -207,9 +206,9 @@ class GroupedBands:
         nothing launched, if a source is not contiguous or not 16-byte aligned."""
         if len(srcs) != self.n:
             raise ValueError(f"GroupedBands: {self.n} destinations, {len(srcs)} sources")
-        if not all(map(_contiguous, srcs)):
+        if not all(map(is_contiguous, srcs)):
             return False
-        ptrs = list(map(_data_ptr, srcs))
+        ptrs = list(map(data_ptr, srcs))
         if reduce(or_, ptrs, 0) & 15:
             return False
         kernel = _kernel()
@@ -400,9 +399,9 @@ class GroupedMatrices:
             raise ValueError(f"GroupedMatrices: {self.n} destinations, {len(srcs)} sources")
         if not self.n:
             return True
-        if not all(map(_contiguous, srcs)):
+        if not all(map(is_contiguous, srcs)):
             return False
-        ptrs = list(map(_data_ptr, srcs))
+        ptrs = list(map(data_ptr, srcs))
         if reduce(or_, ptrs, 0) & 15:
             return False
         assert self.targets0 is not None

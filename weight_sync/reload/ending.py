@@ -125,7 +125,7 @@ class EndingSteps(UnitLayers):
                 # The audit reads tensor metadata only: it runs while the device still copies.
                 verify_baseline(self.model, self._baseline, fresh)
             except PointerChangedError:
-                self.state.views.clear()
+                self.state.forget_views()
                 raise
             t2 = time.perf_counter()
             if self.device.type == "cuda":

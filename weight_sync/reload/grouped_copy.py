@@ -15,11 +15,12 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from functools import reduce
-from operator import methodcaller, or_
+from operator import or_
 from typing import Any
 
 import torch
 
+from weight_sync.layers.accessors import data_ptr, is_contiguous
 from weight_sync.quant.fp8_triton import _launch_device, triton_available
 
 __all__ = ["CopyGroup", "copy_many"]
@@ -100,8 +101,6 @@ def _copy_grouped(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> N
         torch._foreach_copy_(rest_dst, rest_src)
 
 
-_data_ptr = methodcaller("data_ptr")
-_contiguous = methodcaller("is_contiguous")
 
 
 class CopyGroup:
@@ -123,7 +122,7 @@ class CopyGroup:
         if not (dst and dst[0].is_cuda and triton_available()):
             return
         dtype, device = dst[0].dtype, dst[0].device
-        ptrs = list(map(_data_ptr, self.dst))
+        ptrs = list(map(data_ptr, self.dst))
         sizes = [d.nbytes for d in self.dst]
         if not all(d.dtype is dtype and d.device == device and d.is_contiguous() for d in self.dst):
             return
@@ -141,10 +140,10 @@ class CopyGroup:
         if not self.dst:
             return
         words = self.words
-        if words is None or not all(map(_contiguous, src)):
+        if words is None or not all(map(is_contiguous, src)):
             torch._foreach_copy_(self.dst, list(src))
             return
-        ptrs = list(map(_data_ptr, src))
+        ptrs = list(map(data_ptr, src))
         low = reduce(or_, ptrs, 0)
         if low & 3:
             torch._foreach_copy_(self.dst, list(src))

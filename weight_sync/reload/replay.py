@@ -26,12 +26,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import repeat
-from operator import attrgetter, is_, itemgetter, methodcaller
+from operator import itemgetter
 from typing import Any
 
 import torch
 
+from weight_sync.layers.accessors import PLAIN_TYPES, all_plain, dtype_of, get_device, shape_of
 from weight_sync.reload.bands import band_target
 from weight_sync.reload.grouped_copy import CopyGroup
 from weight_sync.reload.lanes import copy_pairs
@@ -42,10 +42,6 @@ __all__ = ["ListReplay", "list_names", "record_list", "replay_list"]
 
 _second = itemgetter(1)
 _first = itemgetter(0)  # the name of a (name, tensor) pair, in C: this runs for every key of every call
-# The per-tensor checks of a replay, each one pass in C over the list (a MoE bucket list is ~6k keys).
-_dtype = attrgetter("dtype")
-_shape = attrgetter("shape")
-_get_device = methodcaller("get_device")
 
 # Records kept per model (one per distinct bucket layout); beyond this the oldest half is dropped.
 MAX_RECORDS = 256
@@ -81,7 +77,9 @@ class Piece:
 class ListReplay:
     """The writes of one list of keys into direct layers, as the hot path would make them."""
 
-    entries: tuple[Any, ...]  # the session's cached hot-path entry of each name (identity-checked)
+    # ``ModelState.views_epoch`` when recorded: the cached views every key was written through are
+    # the ones of that epoch, and valid while it lasts (clearing them starts another).
+    epoch: int
     shapes: tuple[torch.Size, ...]
     dtypes: tuple[torch.dtype, ...]
     device: int  # Tensor.get_device() of every source and destination (-1: host memory)
@@ -111,7 +109,7 @@ def record_list(session: Any, items: Sequence[tuple[str, torch.Tensor]], names: 
     # so no band path yet): it is tried again at the next clean load, up to RECORD_ATTEMPTS times.
     records[names] = (prev or 0) + 1
     views = session._views
-    entries, shapes, dtypes, pieces = [], [], [], []
+    shapes, dtypes, pieces = [], [], []
     big: list[tuple[torch.Tensor, int]] = []
     small: list[torch.Tensor] = []
     small_src: list[int] = []
@@ -128,7 +126,7 @@ def record_list(session: Any, items: Sequence[tuple[str, torch.Tensor]], names: 
     banded = session._banded
     for i, (name, tensor) in enumerate(items):
         entry = views.get(name)
-        if entry is None or not isinstance(tensor, torch.Tensor):
+        if entry is None or type(tensor) not in PLAIN_TYPES:  # a subclass: the per-key path, always
             return
         kp, _ = entry
         dev = tensor.get_device()
@@ -179,7 +177,6 @@ def record_list(session: Any, items: Sequence[tuple[str, torch.Tensor]], names: 
                 small.append(dst)
                 small_src.append(i)
         layers.update(dict.fromkeys(kp.layers))
-        entries.append(entry)
         shapes.append(tensor.shape)
         dtypes.append(tensor.dtype)
         nbytes += tensor.nbytes
@@ -191,7 +188,7 @@ def record_list(session: Any, items: Sequence[tuple[str, torch.Tensor]], names: 
             big, small, small_src, layers, nbytes, start, bands = [], [], [], {}, 0, i + 1, {}
             size = min(2 * size, PIECE_KEYS)
     assert device is not None
-    records[names] = ListReplay(tuple(entries), tuple(shapes), tuple(dtypes), device, tuple(pieces),
+    records[names] = ListReplay(session.state.views_epoch, tuple(shapes), tuple(dtypes), device, tuple(pieces),
                                 session._announced)
 
 
@@ -255,16 +252,14 @@ def _valid(session: Any, rec: ListReplay, names: tuple[str, ...], tensors: list[
     """Whether ``tensors[a:b]`` (named ``names[a:b]``) are what ``rec`` recorded, announced as such, and
     none arrived before."""
     names, tensors = names[a:b], tensors[a:b]
-    # Identity of every cached entry (a rebuilt view is another object), then type, dtype, shape and
-    # device of every tensor, each as one C-level pass; the isinstance pass runs before any attribute
-    # is read.
-    if not all(map(is_, map(session._views.get, names), rec.entries[a:b])):
+    # The cached views of the record's epoch (a view is only ever dropped with all the others), then
+    # type, dtype, shape and device of every tensor, each as one C-level pass; the type pass runs
+    # before any attribute is read.
+    if rec.epoch != session.state.views_epoch or not all_plain(tensors):
         return False
-    if not all(map(isinstance, tensors, repeat(torch.Tensor))):
+    if tuple(map(dtype_of, tensors)) != rec.dtypes[a:b] or tuple(map(shape_of, tensors)) != rec.shapes[a:b]:
         return False
-    if tuple(map(_dtype, tensors)) != rec.dtypes[a:b] or tuple(map(_shape, tensors)) != rec.shapes[a:b]:
-        return False
-    if set(map(_get_device, tensors)) != {rec.device}:
+    if set(map(get_device, tensors)) != {rec.device}:
         return False
     announced = session._announced
     if announced is not None and announced is not rec.announced:  # else known to match (or none announced)

@@ -159,7 +159,7 @@ class UpdateSession(EndingSteps):
             check_layers_recorded(state.layers, self._baseline)
         self._before = self._baseline.signatures
         if state.last_signatures != self._before:
-            state.views.clear()  # something moved since the last update: cached views may be stale
+            state.forget_views()  # something moved since the last update: cached views may be stale
         self._views = state.views
         self._seconds["plan"] = time.perf_counter() - t0
         state.active = self

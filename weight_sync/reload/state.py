@@ -122,6 +122,8 @@ class ModelState:
     # Destination views of planned keys into direct layers, reused across updates while the
     # signatures taken at the end of the last update still hold.
     views: dict[str, Any] = field(default_factory=dict)
+    # Bumped whenever ``views`` is cleared: a replay record made at another epoch may hold stale views.
+    views_epoch: int = 0
     # Lists of keys into direct layers recorded for replay, by their names (reload/replay.py).
     replays: dict[tuple[str, ...], Any] = field(default_factory=dict)
     last_signatures: dict[str, Any] = field(default_factory=dict)
@@ -146,6 +148,11 @@ class ModelState:
             self.torn_layers.difference_update(rewritten)
             if not self.torn_layers:
                 self.torn = None
+
+    def forget_views(self) -> None:
+        """Drop every cached destination view (something may have moved); records made before go stale."""
+        self.views.clear()
+        self.views_epoch += 1
 
     def largest_block_bytes(self) -> int:
         """Model-format bytes of the processed layers of the largest block (the default budget)."""
