@@ -29,7 +29,7 @@ itself relies on (an attribute replaced by a tensor under a dict of unchanged si
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any
@@ -117,7 +117,7 @@ def take_baseline(model: nn.Module) -> Baseline:
 
 
 # A signature's fields, read the way TensorSignature's are (data_ptr, shape, dtype, stride, device).
-_FIELDS = (torch.Tensor.data_ptr, attrgetter("shape"), attrgetter("dtype"), torch.Tensor.stride,
+_FIELDS: tuple[Callable[[torch.Tensor], Any], ...] = (torch.Tensor.data_ptr, attrgetter("shape"), attrgetter("dtype"), torch.Tensor.stride,
            attrgetter("device"))
 
 
