@@ -60,18 +60,28 @@ def test_repeated_buckets_are_recorded_once_and_replay_the_exact_weights() -> No
         assert_bitwise_equal(engine.model, _fresh(seed).model), step
 
 
-def test_a_replayed_bucket_with_a_wrong_shape_is_refused_by_name_and_rolled_back() -> None:
+@pytest.mark.parametrize("wrong", ["fewer rows", "transposed", "one more dim"])
+def test_a_replayed_bucket_with_a_wrong_shape_is_refused_by_name_and_rolled_back(wrong) -> None:
     engine = _fresh(0)
     good = _weights(1)
     _update(engine, good)
-    bad = [(n, torch.zeros(7, t.shape[1], dtype=t.dtype) if n == K_PROJ else t) for n, t in _weights(2)]
+    _update(engine, _weights(2))  # recorded, then replayed
+
+    def reshaped(t: torch.Tensor) -> torch.Tensor:
+        if wrong == "fewer rows":
+            return torch.zeros(7, t.shape[1], dtype=t.dtype)
+        if wrong == "transposed":  # as many elements and dims: only the rows differ
+            return t.t().contiguous()
+        return t.unsqueeze(0)
+
+    bad = [(n, reshaped(t) if n == K_PROJ else t) for n, t in _weights(3)]
     with (pytest.raises((LayoutMismatchError, ManifestError), match=K_PROJ),
           begin_update(engine.model, Manifest.from_named_tensors(good), rollback=True) as s):
         for bucket in _buckets(bad):
             s.load(bucket)
-    assert_bitwise_equal(engine.model, _fresh(1).model)
-    _update(engine, _weights(3))  # and the next good update replays again
-    assert_bitwise_equal(engine.model, _fresh(3).model)
+    assert_bitwise_equal(engine.model, _fresh(2).model)
+    _update(engine, _weights(4))  # and the next good update replays again
+    assert_bitwise_equal(engine.model, _fresh(4).model)
 
 
 def test_a_replayed_bucket_in_another_dtype_is_converted_as_the_per_key_path_does() -> None:

@@ -18,17 +18,42 @@ from operator import attrgetter
 import torch
 from torch import nn
 
-__all__ = ["PLAIN_TYPES", "all_plain", "data_ptr", "dtype_of", "get_device", "is_contiguous", "shape_of"]
+__all__ = [
+    "PLAIN_TYPES",
+    "all_plain",
+    "data_ptr",
+    "dim",
+    "dtype_of",
+    "get_device",
+    "is_contiguous",
+    "numel",
+    "rows",
+    "shape_by_counts",
+    "shape_of",
+]
 
 data_ptr = torch.Tensor.data_ptr
 is_contiguous = torch.Tensor.is_contiguous
 get_device = torch.Tensor.get_device
+dim = torch.Tensor.dim
+numel = torch.Tensor.numel
+# The size of dimension 0 (0 for a 0-d tensor): TensorBase's C slot (Tensor.__len__ is Python, and raises
+# on a 0-d tensor).
+rows = torch._C.TensorBase.__len__
 # Properties: attrgetter reads them as fast as the descriptor would be called unbound.
 dtype_of = attrgetter("dtype")
 shape_of = attrgetter("shape")
 
 # The tensor types whose methods are TensorBase's own (a trainer's tensors and parameters).
 PLAIN_TYPES = frozenset({torch.Tensor, nn.Parameter})
+
+
+def shape_by_counts(shape: tuple[int, ...]) -> bool:
+    """Whether ``shape`` is the only one with its :func:`dim`, :func:`numel` and :func:`rows`: a 1-d or 2-d
+    shape with no zero size. Checking those three counts (plain ints, 50-90 ns a tensor each on the GPU
+    host) then checks the shape; reading ``.shape`` builds a ``torch.Size`` per tensor (~210 ns), a
+    tracked object whose thousands per pass set off garbage collections."""
+    return len(shape) in (1, 2) and all(shape)
 
 
 def all_plain(tensors: Iterable[object]) -> bool:

@@ -31,7 +31,17 @@ from typing import Any
 
 import torch
 
-from weight_sync.layers.accessors import PLAIN_TYPES, all_plain, dtype_of, get_device, shape_of
+from weight_sync.layers.accessors import (
+    PLAIN_TYPES,
+    all_plain,
+    dim,
+    dtype_of,
+    get_device,
+    numel,
+    rows,
+    shape_by_counts,
+    shape_of,
+)
 from weight_sync.reload.bands import band_target
 from weight_sync.reload.grouped_copy import CopyGroup
 from weight_sync.reload.lanes import copy_pairs
@@ -82,6 +92,12 @@ class ListReplay:
     epoch: int
     shapes: tuple[torch.Size, ...]
     dtypes: tuple[torch.dtype, ...]
+    # Each shape as (dim, numel, rows) counts, which determine every shape of the list when ``by_counts``
+    # (all 1-d or 2-d, no zero size: accessors.shape_by_counts); the check then reads no torch.Size.
+    by_counts: bool
+    dims: tuple[int, ...]
+    numels: tuple[int, ...]
+    rows: tuple[int, ...]
     device: int  # Tensor.get_device() of every source and destination (-1: host memory)
     pieces: tuple[Piece, ...]
     # The manifest announcement the list was loaded under (every entry matched it). A later update
@@ -188,8 +204,10 @@ def record_list(session: Any, items: Sequence[tuple[str, torch.Tensor]], names: 
             big, small, small_src, layers, nbytes, start, bands = [], [], [], {}, 0, i + 1, {}
             size = min(2 * size, PIECE_KEYS)
     assert device is not None
-    records[names] = ListReplay(session.state.views_epoch, tuple(shapes), tuple(dtypes), device, tuple(pieces),
-                                session._announced)
+    records[names] = ListReplay(session.state.views_epoch, tuple(shapes), tuple(dtypes),
+                                all(map(shape_by_counts, shapes)), tuple(map(len, shapes)),
+                                tuple(s.numel() for s in shapes), tuple(s[0] if s else 0 for s in shapes),
+                                device, tuple(pieces), session._announced)
 
 
 def _band_group(quantize: Callable[..., None], dtype: torch.dtype, idx: list[int], qs: list[torch.Tensor],
@@ -257,7 +275,14 @@ def _valid(session: Any, rec: ListReplay, names: tuple[str, ...], tensors: list[
     # before any attribute is read.
     if rec.epoch != session.state.views_epoch or not all_plain(tensors):
         return False
-    if tuple(map(dtype_of, tensors)) != rec.dtypes[a:b] or tuple(map(shape_of, tensors)) != rec.shapes[a:b]:
+    if tuple(map(dtype_of, tensors)) != rec.dtypes[a:b]:
+        return False
+    if rec.by_counts:
+        # dims first: rows() of a tensor is only compared once its dim is the recorded one.
+        if (tuple(map(dim, tensors)) != rec.dims[a:b] or tuple(map(numel, tensors)) != rec.numels[a:b]
+                or tuple(map(rows, tensors)) != rec.rows[a:b]):
+            return False
+    elif tuple(map(shape_of, tensors)) != rec.shapes[a:b]:
         return False
     if set(map(get_device, tensors)) != {rec.device}:
         return False

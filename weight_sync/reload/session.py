@@ -96,6 +96,9 @@ class UpdateSession(EndingSteps):
         self._prepared: tuple[list[str], str | None] | None = None  # (missing, fingerprint) once prepared
         self.report: UpdateReport | None = None  # set by finish()
         self._arrived: set[str] = set()
+        # Keys counted as arrived by mark_applied that the manifest did not announce (see EndingSteps.
+        # _all_expected_arrived: while none, arrivals are a subset of the expected names).
+        self._unannounced_applied = 0
         self._open: dict[str, OpenLayer] = {}
         self._touched: set[str] = set()
         self._snapshots: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -419,6 +422,8 @@ class UpdateSession(EndingSteps):
             raise DuplicateTensorError(f"{name}: arrived twice in update {self.version!r}")
         self._arrived.add(name)
         self._num_bytes += nbytes
+        if self.expected is not None and name not in self.expected:
+            self._unannounced_applied += 1
 
     def count_received(self, nbytes: int) -> None:
         """Add ``nbytes`` received for this update (a region: a part of a key) to its byte count."""
