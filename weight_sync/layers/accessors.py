@@ -39,7 +39,7 @@ dim = torch.Tensor.dim
 numel = torch.Tensor.numel
 # The size of dimension 0 (0 for a 0-d tensor): TensorBase's C slot (Tensor.__len__ is Python, and raises
 # on a 0-d tensor).
-rows = torch._C.TensorBase.__len__
+rows = torch._C.TensorBase.__len__  # type: ignore[attr-defined]  # (a C slot the stubs omit)
 # Properties: attrgetter reads them as fast as the descriptor would be called unbound.
 dtype_of = attrgetter("dtype")
 shape_of = attrgetter("shape")
