@@ -100,6 +100,7 @@ class ListReplay:
     rows: tuple[int, ...]
     device: int  # Tensor.get_device() of every source and destination (-1: host memory)
     pieces: tuple[Piece, ...]
+    name_set: frozenset[str]  # the list's names, joining an update's arrivals at once (replay_list)
     # The manifest announcement the list was loaded under (every entry matched it). A later update
     # announcing the same manifest gets the same object back (reload/validation.py caches it).
     announced: dict[str, tuple[torch.Size, torch.dtype]] | None
@@ -207,7 +208,7 @@ def record_list(session: Any, items: Sequence[tuple[str, torch.Tensor]], names: 
     records[names] = ListReplay(session.state.views_epoch, tuple(shapes), tuple(dtypes),
                                 all(map(shape_by_counts, shapes)), tuple(map(len, shapes)),
                                 tuple(s.numel() for s in shapes), tuple(s[0] if s else 0 for s in shapes),
-                                device, tuple(pieces), session._announced)
+                                device, tuple(pieces), frozenset(names), session._announced)
 
 
 def _band_group(quantize: Callable[..., None], dtype: torch.dtype, idx: list[int], qs: list[torch.Tensor],
@@ -230,45 +231,67 @@ def replay_list(session: Any, items: Sequence[tuple[str, torch.Tensor]], names: 
     if not isinstance(rec, ListReplay):
         return 0
     tensors = list(map(_second, items))
-    prepare = session._prepare
-    for piece in rec.pieces:
-        a, b = piece.start, piece.stop
-        if not _valid(session, rec, names, tensors, a, b):
-            # Recorded at another layout, or a cached view was rebuilt since: the per-key path runs and
-            # records the list again if it still qualifies.
-            del records[names]
-            return a
-        for layer in piece.layers:
-            prepare(layer)  # the rollback snapshot of a layer before its first write
-        if piece.big:
-            copy_pairs([(dst, tensors[i]) for dst, i in piece.big], rec.device)
-        if piece.small_src:
-            piece.small.copy(list(map(tensors.__getitem__, piece.small_src)))
-        if piece.bands:
-            queued = session._writes.bands
-            flush = False
-            for quantize, idx, qs, ss, ready in piece.bands:
-                srcs = list(map(tensors.__getitem__, idx))
-                if ready is not None and ready.launch(srcs):
-                    continue  # launched from the table made at the record: only the sources were read
-                items_of = queued.get(quantize)
-                if items_of is None:
-                    items_of = queued[quantize] = []
-                items_of.extend(zip(srcs, qs, ss))
-                flush = True
-            if flush:
-                session._writes.flush()  # one grouped launch per method and shape, while the host goes on
-        session._arrived.update(names[a:b])
-        session._num_bytes += piece.nbytes
-        session._replayed += b - a
+    arrived = session._arrived
+    # Nothing arrived yet in this update (its first load call): no piece can repeat a key - a recorded
+    # list names none twice - so the pieces are not checked against arrivals one by one, and the whole
+    # list's names join them at the end from the record's set (one clean set copy, not a probe per
+    # name per piece). Whatever ends the loop, the names of the pieces written are in by then.
+    fresh = not arrived
+    done = 0
+    try:
+        for piece in rec.pieces:
+            if not _replay_piece(session, rec, piece, names, tensors, fresh):
+                # Recorded at another layout, or a cached view was rebuilt since: the per-key path runs
+                # and records the list again if it still qualifies.
+                del records[names]
+                return piece.start
+            done = piece.stop
+    finally:
+        if fresh:
+            arrived.update(rec.name_set if done == len(names) else names[:done])
     if rec.announced is not session._announced and session._announced is not None:
         rec.announced = session._announced  # every entry matched it: the next update announcing it skips that
     return len(names)
 
 
-def _valid(session: Any, rec: ListReplay, names: tuple[str, ...], tensors: list[Any], a: int, b: int) -> bool:
+def _replay_piece(session: Any, rec: ListReplay, piece: Piece, names: tuple[str, ...], tensors: list[Any],
+                  fresh: bool) -> bool:
+    """Check one piece, then write it (True); False, nothing written, when it fails its check."""
+    a, b = piece.start, piece.stop
+    if not _valid(session, rec, names, tensors, a, b, fresh):
+        return False
+    prepare = session._prepare
+    for layer in piece.layers:
+        prepare(layer)  # the rollback snapshot of a layer before its first write
+    if piece.big:
+        copy_pairs([(dst, tensors[i]) for dst, i in piece.big], rec.device)
+    if piece.small_src:
+        piece.small.copy(list(map(tensors.__getitem__, piece.small_src)))
+    if piece.bands:
+        queued = session._writes.bands
+        flush = False
+        for quantize, idx, qs, ss, ready in piece.bands:
+            srcs = list(map(tensors.__getitem__, idx))
+            if ready is not None and ready.launch(srcs):
+                continue  # launched from the table made at the record: only the sources were read
+            items_of = queued.get(quantize)
+            if items_of is None:
+                items_of = queued[quantize] = []
+            items_of.extend(zip(srcs, qs, ss))
+            flush = True
+        if flush:
+            session._writes.flush()  # one grouped launch per method and shape, while the host goes on
+    if not fresh:
+        session._arrived.update(names[a:b])
+    session._num_bytes += piece.nbytes
+    session._replayed += b - a
+    return True
+
+
+def _valid(session: Any, rec: ListReplay, names: tuple[str, ...], tensors: list[Any], a: int, b: int,
+           fresh: bool) -> bool:
     """Whether ``tensors[a:b]`` (named ``names[a:b]``) are what ``rec`` recorded, announced as such, and
-    none arrived before."""
+    none arrived before (known when ``fresh``: nothing had arrived when the list's replay began)."""
     names, tensors = names[a:b], tensors[a:b]
     # The cached views of the record's epoch (a view is only ever dropped with all the others), then
     # type, dtype, shape and device of every tensor, each as one C-level pass; the type pass runs
@@ -292,4 +315,4 @@ def _valid(session: Any, rec: ListReplay, names: tuple[str, ...], tensors: list[
             want = announced.get(name)
             if want is None or want[1] is not t.dtype or want[0] != t.shape:
                 return False
-    return session._arrived.isdisjoint(names)
+    return fresh or session._arrived.isdisjoint(names)
