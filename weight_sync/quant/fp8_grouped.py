@@ -163,8 +163,6 @@ def owner_map(counts: Sequence[int], device: torch.device) -> tuple[torch.Tensor
     return owner, int(sizes.sum())
 
 
-
-
 class GroupedBands:
     """The launches of :func:`quantize_fp8_grouped` into fixed destinations, tabled once.
 

@@ -73,6 +73,17 @@ class Baseline:
         self.columns = ()
 
 
+# A signature's fields, read the way TensorSignature's are (data_ptr, shape, dtype, stride, device).
+_FIELDS: tuple[Callable[[torch.Tensor], Any], ...] = (
+    torch.Tensor.data_ptr, attrgetter("shape"), attrgetter("dtype"), torch.Tensor.stride, attrgetter("device"),
+)
+
+
+def _signature(t: torch.Tensor) -> tuple[Any, ...]:
+    """``t``'s signature fields through its own methods (what the full walk of verify_signatures reads)."""
+    return (t.data_ptr(), t.shape, t.dtype, t.stride(), t.device)
+
+
 def _sizes(mod: nn.Module) -> tuple[int, int, int, int]:
     return len(mod._parameters), len(mod._buffers), len(mod._modules), len(mod.__dict__)
 
@@ -104,7 +115,7 @@ def take_baseline(model: nn.Module) -> Baseline:
             if t.is_meta:
                 continue
             qual = prefix + name
-            sigs[qual] = _new_signature(TensorSignature, (t.data_ptr(), t.shape, t.dtype, t.stride(), t.device))
+            sigs[qual] = _new_signature(TensorSignature, _signature(t))
             places.append((qual, held, name, t))
         children = mod._modules
         if children:
@@ -114,11 +125,6 @@ def take_baseline(model: nn.Module) -> Baseline:
     base.tensors = [t for _, _, _, t in places]
     base.columns = tuple(zip(*(sigs[qual] for qual, _, _, _ in places))) or ((),) * len(_FIELDS)
     return base
-
-
-# A signature's fields, read the way TensorSignature's are (data_ptr, shape, dtype, stride, device).
-_FIELDS: tuple[Callable[[torch.Tensor], Any], ...] = (torch.Tensor.data_ptr, attrgetter("shape"), attrgetter("dtype"), torch.Tensor.stride,
-           attrgetter("device"))
 
 
 def _unchanged(base: Baseline, skip: tuple[str, ...], model: nn.Module) -> bool:
@@ -147,10 +153,6 @@ def _unchanged(base: Baseline, skip: tuple[str, ...], model: nn.Module) -> bool:
     # only ever fails this, and the full walk of verify_baseline then decides with its own methods.
     tensors = base.tensors
     return all(tuple(map(read, tensors)) == column for read, column in zip(_FIELDS, base.columns, strict=True))
-
-
-def _signature(t: torch.Tensor) -> tuple[Any, ...]:
-    return (t.data_ptr(), t.shape, t.dtype, t.stride(), t.device)
 
 
 def still_holds(base: Baseline, model: nn.Module) -> bool:

@@ -176,9 +176,7 @@ class EndingSteps(UnitLayers):
                 tensors = self.manifest.tensors
                 # Kept as the same object while updates announce the same tensors, so the validation
                 # verdict cached against it stays usable.
-                matched = self.state.reference_matched
-                if ref is None or (ref.tensors is not tensors
-                                   and (matched is None or matched[0] is not ref or matched[1] is not tensors)):
+                if not self._announces_reference():
                     if ref is not None and len(ref) == len(self.manifest) and all(
                             r.name == m.name and r.dtype == m.dtype and r.shape == m.shape
                             for r, m in zip(ref.tensors, tensors)):

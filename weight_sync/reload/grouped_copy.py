@@ -102,8 +102,6 @@ def _copy_grouped(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> N
         torch._foreach_copy_(rest_dst, rest_src)
 
 
-
-
 class CopyGroup:
     """The destinations of a grouped copy that repeats (a replayed bucket list): checked and tabled once.
 
