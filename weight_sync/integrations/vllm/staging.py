@@ -318,6 +318,9 @@ class WorkerStaging:
         ``version``, once that version is staged or the listener is between updates."""
         if version is not None:
             self.wait_staged(version)
+        # Read first: once the listener has ended, every field it wrote before ending is final, so a
+        # status saying "not listening" always carries the failure that ended it.
+        listening = self._thread.is_alive()
         twin_state = get_state(self.staged.model)
         return {
             "pending": self.staged.pending_version,
@@ -327,7 +330,7 @@ class WorkerStaging:
             "num_commits": self.staged.num_commits,
             "num_failed": self.num_failed,
             "last_error": self.last_error,
-            "listening": self._thread.is_alive(),
+            "listening": listening,
             "num_bytes": self.staged.num_bytes,
             "estimate_bytes": self.estimate_bytes,
             "placement": self.staged.placement,
