@@ -9,8 +9,9 @@ from typing import Any
 
 import torch
 
-from weight_sync.checksum import ChecksumWorkspace, bucket_checksum, reuse_workspace
+from weight_sync.checksum import ChecksumWorkspace, bucket_checksum, raw_bytes, reuse_workspace
 from weight_sync.errors import WeightSyncError
+from weight_sync.layers.accessors import PLAIN_TYPES
 from weight_sync.layers.streams import DeviceShim
 from weight_sync.transport.group import Channel
 from weight_sync.transport.layout import Bucket, BucketLayout
@@ -35,6 +36,11 @@ class BucketPacker:
         self.device = device
         self.checksum = checksum
         self._ck: ChecksumWorkspace | None = None  # checksum intermediates, allocated on first use
+        # Per (bucket, buffer) of the layout last sent: each segment's destination as the tensor's own
+        # dtype and shape where the whole tensor lies in that bucket (None: packed as bytes). Made once
+        # per layout, so an update with the manifest of the last makes no views.
+        self._views_layout: BucketLayout | None = None
+        self._views: dict[tuple[int, int], tuple[torch.Tensor | None, ...]] = {}
 
     def send_call(
         self, layout: BucketLayout, it: Iterator[tuple[str, Any]], first: int, announce: Callable[[], None],
@@ -50,6 +56,8 @@ class BucketPacker:
         nb = len(self.buffers)
         sizes = [b.payload_bytes + TRAILER_BYTES for b in layout.buckets]
         plane.begin_call(sizes, seq, call)
+        if layout is not self._views_layout:
+            self._views_layout, self._views = layout, {}
         heads = self._trailer_heads(layout, seq, call)
         source = Checked(it, layout.metas, first)
         error: BaseException | None = None
@@ -108,27 +116,84 @@ class BucketPacker:
             return rows.pin_memory().to(self.device, non_blocking=True)
 
     def _pack(self, bucket: Bucket, buf: torch.Tensor, source: Checked, current: dict[int, torch.Tensor]) -> None:
-        """Copy the bucket's segments into ``buf`` on the pack stream and write its checksum."""
+        """Copy the bucket's segments into ``buf`` on the pack stream and write its checksum.
+
+        A tensor that lies whole in the bucket is copied into a view of its bytes as its own dtype and
+        shape, all of the bucket's such tensors in one grouped copy (one call instead of the half dozen
+        per tensor of a byte view: ``detach``, ``contiguous``, ``reshape``, ``view``, the slices, the
+        copy). Plain tensors only; others, and tensors split over buckets, are copied as bytes. Both
+        give the same bytes (a copy into the same dtype is bitwise).
+        """
         plane = self.plane
         stream = plane.pack_stream
         cuda = self.shim.is_cuda
-        for seg in bucket.segments:
-            flat = current.get(seg.index)
-            if flat is None:
-                flat = source.next_flat(seg.index)
-                if cuda and flat.is_cuda:
-                    # The tensor was produced on the caller's stream; the pack stream must see it, and the
-                    # allocator must not hand its memory out before the pack stream has read it.
-                    stream.wait_stream(self.shim.current_stream())
-                    flat.record_stream(stream.raw)  # type: ignore[arg-type]
-                current[seg.index] = flat
+        views = self._bucket_views(bucket, buf)
+        dsts: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
+        # The caller's stream, read before any copy is queued on the pack stream.
+        caller = self.shim.current_stream() if cuda else None
+        for seg, view in zip(bucket.segments, views):
+            if view is not None:
+                t = source.next_tensor(seg.index)
+                if type(t) in PLAIN_TYPES:
+                    if cuda and t.is_cuda:
+                        # The allocator must not hand its memory out before the pack stream has read it.
+                        t.record_stream(stream.raw)  # type: ignore[arg-type]
+                    dsts.append(view)
+                    srcs.append(t)
+                    continue
+                flat = raw_bytes(t)
+            else:
+                held = current.get(seg.index)
+                flat = source.next_flat(seg.index) if held is None else held
+            if cuda and flat.is_cuda and seg.index not in current:
+                # Produced on the caller's stream: the pack stream must see it (see record_stream above).
+                stream.wait_stream(caller)  # type: ignore[arg-type]
+                flat.record_stream(stream.raw)  # type: ignore[arg-type]
+            current[seg.index] = flat
             if seg.nbytes:
-                with stream.use():
+                if cuda:
+                    with stream.use():
+                        buf[seg.bucket_offset : seg.bucket_offset + seg.nbytes].copy_(
+                            flat[seg.tensor_offset : seg.tensor_offset + seg.nbytes], non_blocking=True
+                        )
+                else:
                     buf[seg.bucket_offset : seg.bucket_offset + seg.nbytes].copy_(
-                        flat[seg.tensor_offset : seg.tensor_offset + seg.nbytes], non_blocking=True
+                        flat[seg.tensor_offset : seg.tensor_offset + seg.nbytes]
                     )
             if seg.tensor_offset + seg.nbytes == flat.numel():
                 del current[seg.index]
+        if not dsts:
+            return
+        # no_grad: a source that requires grad (a parameter) must not make the buffer part of a graph.
+        with torch.no_grad():
+            if cuda:
+                # One wait for every tensor of the bucket: each was produced on the caller's stream
+                # before this point.
+                stream.wait_stream(caller)  # type: ignore[arg-type]
+                with stream.use():
+                    torch._foreach_copy_(dsts, srcs, non_blocking=True)
+            else:
+                torch._foreach_copy_(dsts, srcs)
+
+    def _bucket_views(self, bucket: Bucket, buf: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        """Each segment's typed destination in ``buf`` (None: copied as bytes), made once per layout."""
+        key = (bucket.index, buf.data_ptr())
+        views = self._views.get(key)
+        if views is None:
+            metas = self._views_layout.metas if self._views_layout is not None else ()
+            out: list[torch.Tensor | None] = []
+            for seg in bucket.segments:
+                meta = metas[seg.index]
+                size = meta.dtype.itemsize
+                whole = seg.tensor_offset == 0 and seg.nbytes == meta.nbytes > 0
+                if whole and seg.bucket_offset % size == 0:
+                    out.append(buf[seg.bucket_offset : seg.bucket_offset + seg.nbytes].view(meta.dtype)
+                               .view(meta.shape))
+                else:
+                    out.append(None)
+            views = self._views[key] = tuple(out)
+        return views
 
     def _write_trailer(self, bucket: Bucket, buf: torch.Tensor, k: int, status: int, heads: torch.Tensor) -> None:
         """Trailer words and checksum of bucket ``k``, written on the pack stream (no host round trip)."""
