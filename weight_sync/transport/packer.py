@@ -13,6 +13,7 @@ from weight_sync.checksum import ChecksumWorkspace, bucket_checksum, raw_bytes, 
 from weight_sync.errors import WeightSyncError
 from weight_sync.layers.accessors import PLAIN_TYPES
 from weight_sync.layers.streams import DeviceShim
+from weight_sync.manifest import TensorMeta
 from weight_sync.transport.group import Channel
 from weight_sync.transport.layout import Bucket, BucketLayout
 from weight_sync.transport.planes import BroadcastSenderPlane, SharedSenderPlane
@@ -127,7 +128,7 @@ class BucketPacker:
         plane = self.plane
         stream = plane.pack_stream
         cuda = self.shim.is_cuda
-        views = self._bucket_views(bucket, buf)
+        views = self._bucket_views(bucket, buf, source.metas)
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
         # The caller's stream, read before any copy is queued on the pack stream.
@@ -152,36 +153,28 @@ class BucketPacker:
                 flat.record_stream(stream.raw)  # type: ignore[arg-type]
             current[seg.index] = flat
             if seg.nbytes:
-                if cuda:
-                    with stream.use():
-                        buf[seg.bucket_offset : seg.bucket_offset + seg.nbytes].copy_(
-                            flat[seg.tensor_offset : seg.tensor_offset + seg.nbytes], non_blocking=True
-                        )
-                else:
+                with stream.use():
                     buf[seg.bucket_offset : seg.bucket_offset + seg.nbytes].copy_(
-                        flat[seg.tensor_offset : seg.tensor_offset + seg.nbytes]
+                        flat[seg.tensor_offset : seg.tensor_offset + seg.nbytes], non_blocking=True
                     )
             if seg.tensor_offset + seg.nbytes == flat.numel():
                 del current[seg.index]
         if not dsts:
             return
         # no_grad: a source that requires grad (a parameter) must not make the buffer part of a graph.
-        with torch.no_grad():
-            if cuda:
-                # One wait for every tensor of the bucket: each was produced on the caller's stream
-                # before this point.
-                stream.wait_stream(caller)  # type: ignore[arg-type]
-                with stream.use():
-                    torch._foreach_copy_(dsts, srcs, non_blocking=True)
-            else:
-                torch._foreach_copy_(dsts, srcs)
+        if cuda:
+            # One wait for every tensor of the bucket: each was produced on the caller's stream before
+            # this point.
+            stream.wait_stream(caller)  # type: ignore[arg-type]
+        with torch.no_grad(), stream.use():
+            torch._foreach_copy_(dsts, srcs, non_blocking=True)
 
-    def _bucket_views(self, bucket: Bucket, buf: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def _bucket_views(self, bucket: Bucket, buf: torch.Tensor, metas: tuple[TensorMeta, ...]
+                      ) -> tuple[torch.Tensor | None, ...]:
         """Each segment's typed destination in ``buf`` (None: copied as bytes), made once per layout."""
         key = (bucket.index, buf.data_ptr())
         views = self._views.get(key)
         if views is None:
-            metas = self._views_layout.metas if self._views_layout is not None else ()
             out: list[torch.Tensor | None] = []
             for seg in bucket.segments:
                 meta = metas[seg.index]
