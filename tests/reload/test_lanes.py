@@ -44,7 +44,7 @@ class _Wide(nn.Module):
 def test_a_replayed_update_failing_in_a_later_piece_rolls_back_the_pieces_copied_before(
     device: str, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    net = _Wide(140).to(device, torch.bfloat16)  # > 128 keys: the first piece is written before the bad one
+    net = _Wide(260).to(device, torch.bfloat16)  # pieces of 128 and 132 keys: the first is written before the bad one
     record_metadata_for_reloading(net)
 
     def weights(seed: int) -> list[tuple[str, torch.Tensor]]:  # distinct per update and per key

@@ -60,8 +60,19 @@ def test_repeated_buckets_are_recorded_once_and_replay_the_exact_weights() -> No
         assert_bitwise_equal(engine.model, _fresh(seed).model), step
 
 
+@pytest.fixture(params=["one pass", "per property"])
+def checks(request, monkeypatch) -> str:
+    """A replay checks its sources in one C++ pass where torch offers it, else property by property: the
+    same verdicts either way."""
+    if request.param == "per property":
+        import weight_sync.reload.replay as replay
+
+        monkeypatch.setattr(replay, "source_guard", lambda tensors: None)
+    return request.param
+
+
 @pytest.mark.parametrize("wrong", ["fewer rows", "transposed", "one more dim"])
-def test_a_replayed_bucket_with_a_wrong_shape_is_refused_by_name_and_rolled_back(wrong) -> None:
+def test_a_replayed_bucket_with_a_wrong_shape_is_refused_by_name_and_rolled_back(wrong, checks) -> None:
     engine = _fresh(0)
     good = _weights(1)
     _update(engine, good)
@@ -84,13 +95,24 @@ def test_a_replayed_bucket_with_a_wrong_shape_is_refused_by_name_and_rolled_back
     assert_bitwise_equal(engine.model, _fresh(4).model)
 
 
-def test_a_replayed_bucket_in_another_dtype_is_converted_as_the_per_key_path_does() -> None:
+def test_a_replayed_bucket_in_another_dtype_is_converted_as_the_per_key_path_does(checks) -> None:
     engine = _fresh(0)
     _update(engine, _weights(1))
     wide = [(n, t.float()) for n, t in _weights(2)]  # an fp32 trainer into the bf16 model
     _update(engine, wide)
     fresh = ReferenceEngine.from_config(CFG, weights=iter(wide), use_cuda_graph=False)
     assert_bitwise_equal(engine.model, fresh.model)
+
+
+def test_a_strided_source_in_a_replayed_bucket_loads_exactly(checks) -> None:
+    engine = _fresh(0)
+    _update(engine, _weights(1))
+    _update(engine, _weights(2))  # recorded, then replayed
+    # The same shape and dtype, but a view with a column stride: not what the record's copies assume.
+    strided = [(n, torch.stack([t, t], dim=-1)[..., 0] if n == K_PROJ else t) for n, t in _weights(3)]
+    assert not dict(strided)[K_PROJ].is_contiguous()
+    _update(engine, strided)
+    assert_bitwise_equal(engine.model, _fresh(3).model)
 
 
 def test_a_bucket_repeating_a_key_of_an_earlier_bucket_is_refused_as_a_duplicate() -> None:
@@ -212,12 +234,13 @@ def small_pieces(monkeypatch):
     monkeypatch.setattr(replay, "PIECE_KEYS", 4)
 
 
-def test_a_list_replayed_in_pieces_writes_the_exact_weights(small_pieces) -> None:
+def test_a_list_replayed_in_pieces_writes_the_exact_weights(small_pieces, checks) -> None:
     engine = _fresh(0)
     for seed in (1, 2, 3):
         _whole_list_update(engine, _weights(seed))
         rec = get_state(engine.model).replays[tuple(n for n, _ in _weights(seed))]
         assert len(rec.pieces) > 3
+        assert all((p.guard is not None) == (checks == "one pass") for p in rec.pieces)
         assert_bitwise_equal(engine.model, _fresh(seed).model)
 
 
@@ -240,7 +263,8 @@ def test_a_later_piece_in_another_dtype_is_loaded_per_key_after_the_pieces_befor
     assert_bitwise_equal(engine.model, fresh.model)
 
 
-def test_a_later_piece_with_a_wrong_shape_is_refused_by_name_and_every_piece_rolled_back(small_pieces) -> None:
+def test_a_later_piece_with_a_wrong_shape_is_refused_by_name_and_every_piece_rolled_back(small_pieces,
+                                                                                        checks) -> None:
     engine = _fresh(0)
     good = _weights(1)
     _whole_list_update(engine, good)
@@ -316,3 +340,36 @@ def test_a_one_scale_matrix_split_over_two_lists_is_not_replayed_and_still_exact
         fresh = ReferenceEngine.from_config(CFG, weights=random_weights(CFG, seed=seed), quantization="fp8",
                                             use_cuda_graph=False)
         assert_bitwise_equal(engine.model, fresh.model)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize(("arch", "quant"), [("qwen3", None), ("qwen3_moe", None), ("qwen3_moe", "fp8_block"),
+                                           ("qwen3_moe", "fp8_per_tensor")])
+def test_sources_updated_in_place_between_updates_replay_their_new_values_exactly(arch, quant, device,
+                                                                                  small_pieces) -> None:
+    # A trainer that updates its tensors in place sends the same memory at every step: on CUDA the
+    # replay launches the tables it made at the first such update again, and must still copy (and
+    # quantize) the new values.
+    cfg = hf_config(arch, "tiny", hidden_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+                    intermediate_size=256, moe_intermediate_size=128)
+    source = [(n, t.contiguous()) for n, t in random_weights(cfg, seed=1, device=device)]
+
+    def fresh(seed: int) -> ReferenceEngine:
+        return ReferenceEngine.from_config(cfg, weights=random_weights(cfg, seed=seed, device=device),
+                                           quantization=quant, device=device, use_cuda_graph=False)
+
+    engine = fresh(0)
+    tables: dict[int, object] = {}
+    for step, seed in enumerate((1, 2, 3, 4, 2)):
+        for (_, t), (_, new) in zip(source, random_weights(cfg, seed=seed, device=device), strict=True):
+            t.copy_(new)  # in place: every source keeps its address
+        _whole_list_update(engine, source)
+        assert_bitwise_equal(engine.model, fresh(seed).model), step
+        rec = get_state(engine.model).replays.get(tuple(n for n, _ in source))
+        if device == "cuda" and step >= 3 and isinstance(rec, ListReplay):
+            kept = {id(p): (p.small.last.tables, [b[4].last.tables for b in p.bands if b[4] is not None])
+                    for p in rec.pieces}
+            if step == 4:  # the same table objects as at the update before: launched again, not rebuilt
+                assert all(kept[k][0] is tables[k][0] for k in kept)
+                assert all(a is b for k in kept for a, b in zip(kept[k][1], tables[k][1], strict=True))
+            tables = kept

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from weight_sync.layers.accessors import data_ptr, is_contiguous
+from weight_sync.layers.source_guard import LaunchTables
 from weight_sync.quant.fp8_triton import _f32_bits, _launch_device, fused_geometry, launch_table
 
 __all__ = ["GroupedBands", "GroupedMatrices", "quantize_fp8_grouped", "quantize_fp8_matrices_grouped"]
@@ -175,7 +176,7 @@ class GroupedBands:
     source is not contiguous or not aligned (the caller then quantizes them the general way).
     """
 
-    __slots__ = ("device", "eps_bits", "fmax", "groups", "n")
+    __slots__ = ("device", "eps_bits", "fmax", "groups", "last", "n")
 
     def __init__(self, targets: Sequence[tuple[torch.Tensor, torch.Tensor]], shapes: Sequence[tuple[int, int]],
                  dtype: torch.dtype, granularity: str, block_size: tuple[int, int], fmax: float, eps: float) -> None:
@@ -199,32 +200,45 @@ class GroupedBands:
         self.groups = [(key, idx[0], targets[idx[0]], None if len(idx) == self.n else np.array(idx, dtype=np.int64),
                         torch.tensor(table, dtype=torch.int64).view(-1, 12), *owner_map(counts, self.device))
                        for key, (idx, table, counts) in rows.items()]
+        self.last = LaunchTables()  # the last launch's device tables, while the sources stay where they were
 
-    def launch(self, srcs: Sequence[torch.Tensor]) -> bool:
+    def launch(self, srcs: list[torch.Tensor], contiguous: bool = False) -> bool:
         """Quantize ``srcs[i]`` (of the shape and dtype given at construction) into target ``i``; False,
-        nothing launched, if a source is not contiguous or not 16-byte aligned."""
+        nothing launched, if a source is not contiguous (known to be when ``contiguous``) or not 16-byte
+        aligned."""
         if len(srcs) != self.n:
             raise ValueError(f"GroupedBands: {self.n} destinations, {len(srcs)} sources")
-        if not all(map(is_contiguous, srcs)):
+        if not (contiguous or all(map(is_contiguous, srcs))):
             return False
-        ptrs = list(map(data_ptr, srcs))
-        if reduce(or_, ptrs, 0) & 15:
-            return False
+        tables = self.last.tables if self.last.reusable(srcs) else None
+        if tables is None:
+            ptrs = list(map(data_ptr, srcs))
+            if reduce(or_, ptrs, 0) & 15:
+                return False
+            # Host tables are filled through numpy: converting a list of ints there costs a third of
+            # torch.tensor's per element (~40 vs ~130 ns: thousands of sources per update).
+            column = np.array(ptrs, dtype=np.int64)
+            tables = [_device_table(base, column if idx is None else column[idx], self.device)
+                      for _, _, _, idx, base, _, _ in self.groups]
+            self.last.keep(ptrs, tables, self.device)
         kernel = _kernel()
-        # Host tables are filled through numpy: converting a list of ints there costs a third of
-        # torch.tensor's per element (~40 vs ~130 ns: thousands of sources per update).
-        column = np.array(ptrs, dtype=np.int64)
         with _launch_device(srcs[0]):
-            for key, i0, (q0, s0), idx, base, owner, programs in self.groups:
+            for (key, i0, (q0, s0), _, _, owner, programs), dev_table in zip(self.groups, tables, strict=True):
                 bm, bk, per_row, one_pass, warps, _, aligned = key
-                table = torch.empty(base.shape, dtype=torch.int64, pin_memory=self.device.type == "cuda")
-                table.copy_(base)
-                table.numpy()[:, 0] = column if idx is None else column[idx]
-                dev_table = table.to(self.device, non_blocking=True) if self.device.type == "cuda" else table
                 kernel[(programs,)](dev_table, owner, srcs[i0], q0, s0, self.eps_bits, self.fmax,
                                     BM=bm, BK=bk, PER_ROW=per_row, ONE_PASS=one_pass, ALIGNED=aligned,
                                     num_warps=warps, enable_fp_fusion=False)
         return True
+
+
+def _device_table(base: torch.Tensor, column: np.ndarray, device: torch.device) -> torch.Tensor:
+    """``base`` with the sources' pointers in its first column, on ``device`` (through pinned memory on
+    CUDA: copied in stream order, no host synchronization)."""
+    on_cuda = device.type == "cuda"
+    table = torch.empty(base.shape, dtype=torch.int64, pin_memory=on_cuda)
+    table.copy_(base)
+    table.numpy()[:, 0] = column
+    return table.to(device, non_blocking=True) if on_cuda else table
 
 
 # Tiles of the per-tensor kernels, as absmax_bits / tensor_cast (fp8_triton.py) use them.
@@ -367,7 +381,7 @@ class GroupedMatrices:
     nothing, for a source that is not contiguous or not aligned.
     """
 
-    __slots__ = ("absmax", "cast", "device", "eps_bits", "fmax", "matrices", "n", "targets0")
+    __slots__ = ("absmax", "cast", "device", "eps_bits", "fmax", "last", "matrices", "n", "targets0")
 
     def __init__(self, targets: Sequence[tuple[torch.Tensor, torch.Tensor]], shapes: Sequence[tuple[int, int]],
                  dtype: torch.dtype, fmax: float, eps: float) -> None:
@@ -392,37 +406,34 @@ class GroupedMatrices:
         # launches take the targets' alignment (the sources' is checked per launch).
         self.absmax = (torch.tensor(tables[0], dtype=torch.int64).view(-1, _MATRIX_FIELDS), most[0], aligned)
         self.cast = (torch.tensor(tables[1], dtype=torch.int64).view(-1, _MATRIX_FIELDS), most[1], aligned)
+        self.last = LaunchTables()  # the last launch's device tables, while the sources stay where they were
 
-    def launch(self, srcs: Sequence[torch.Tensor]) -> bool:
+    def launch(self, srcs: list[torch.Tensor], contiguous: bool = False) -> bool:
         """Quantize ``srcs[i]`` (of the shape and dtype given at construction) into target ``i``; False,
-        nothing launched, if a source is not contiguous or not 16-byte aligned."""
+        nothing launched, if a source is not contiguous (known to be when ``contiguous``) or not 16-byte
+        aligned."""
         if len(srcs) != self.n:
             raise ValueError(f"GroupedMatrices: {self.n} destinations, {len(srcs)} sources")
         if not self.n:
             return True
-        if not all(map(is_contiguous, srcs)):
+        if not (contiguous or all(map(is_contiguous, srcs))):
             return False
-        ptrs = list(map(data_ptr, srcs))
-        if reduce(or_, ptrs, 0) & 15:
-            return False
+        (absmax_base, absmax_most, aligned), (cast_base, cast_most, _) = self.absmax, self.cast
+        tables = self.last.tables if self.last.reusable(srcs) else None
+        if tables is None:
+            ptrs = list(map(data_ptr, srcs))
+            if reduce(or_, ptrs, 0) & 15:
+                return False
+            column = np.array(ptrs, dtype=np.int64)  # (through numpy: see GroupedBands.launch)
+            tables = (_device_table(absmax_base, column, self.device), _device_table(cast_base, column, self.device))
+            self.last.keep(ptrs, tables, self.device)
         assert self.targets0 is not None
         q0 = self.targets0[0]
         absmax, cast = _matrix_kernels()
-        column = np.array(ptrs, dtype=np.int64)  # (through numpy: see GroupedBands.launch)
         bits = torch.zeros(self.matrices, dtype=torch.int32, device=self.device)
-        (absmax_base, absmax_most, aligned), (cast_base, cast_most, _) = self.absmax, self.cast
         with _launch_device(srcs[0]):
-            absmax[(absmax_most, self.n)](self._table(absmax_base, column), srcs[0], bits, BM=_ABSMAX_TILE[0],
+            absmax[(absmax_most, self.n)](tables[0], srcs[0], bits, BM=_ABSMAX_TILE[0],
                                           BN=_ABSMAX_TILE[1], ALIGNED=aligned, num_warps=8)
-            cast[(cast_most, self.n)](self._table(cast_base, column), srcs[0], q0, bits, self.eps_bits, self.fmax,
+            cast[(cast_most, self.n)](tables[1], srcs[0], q0, bits, self.eps_bits, self.fmax,
                                       BM=_CAST_TILE[0], BN=_CAST_TILE[1], ALIGNED=aligned, enable_fp_fusion=False)
         return True
-
-    def _table(self, base: torch.Tensor, column: np.ndarray) -> torch.Tensor:
-        """``base`` with the sources' pointers in its first column, on the targets' device (through pinned
-        memory on CUDA: copied in stream order, no host synchronization)."""
-        on_cuda = self.device.type == "cuda"
-        table = torch.empty(base.shape, dtype=torch.int64, pin_memory=on_cuda)
-        table.copy_(base)
-        table.numpy()[:, 0] = column
-        return table.to(self.device, non_blocking=True) if on_cuda else table

@@ -42,6 +42,7 @@ from weight_sync.layers.accessors import (
     shape_by_counts,
     shape_of,
 )
+from weight_sync.layers.source_guard import SourceGuard, source_guard
 from weight_sync.reload.bands import band_target
 from weight_sync.reload.grouped_copy import CopyGroup
 from weight_sync.reload.lanes import copy_pairs
@@ -65,6 +66,18 @@ FIRST_PIECE_KEYS = 128
 PIECE_KEYS = 1024
 
 
+def piece_size(grown: int, left: int) -> int:
+    """Keys of the next piece: ``grown`` (doubling from FIRST_PIECE_KEYS up to PIECE_KEYS), but at most half
+    of the ``left`` keys of the list (at least FIRST_PIECE_KEYS). The update waits after its last piece is
+    launched for that piece's device work alone when the host kept pace with the device (a 6k-name MoE
+    list: ~1.5 ms for a 1024-key piece of expert slices, ~0.2 ms for a 128-key one), so pieces shrink
+    again towards the end of the list as they grew at its start."""
+    least = min(FIRST_PIECE_KEYS, PIECE_KEYS)
+    if left <= least + least // 2:
+        return left  # no piece of a few keys after it: each piece costs its launches (~50 us of host time)
+    return min(grown, max(least, left // 2))
+
+
 @dataclass(eq=False, slots=True)
 class Piece:
     """The writes of keys ``start:stop`` of a recorded list."""
@@ -81,6 +94,9 @@ class Piece:
     # ready for these targets or None); launched grouped, as the write queue would.
     bands: tuple[tuple[Callable[..., None], tuple[int, ...], tuple[torch.Tensor, ...], tuple[torch.Tensor, ...],
                        Any], ...]
+    # The recorded sources' type, dtype, device, shape and (contiguous) strides, checked in one C++ pass
+    # (layers/source_guard.py); None: checked per property. A passing check proves them contiguous.
+    guard: SourceGuard | None
 
 
 @dataclass(eq=False, slots=True)
@@ -134,7 +150,8 @@ def record_list(session: Any, items: Sequence[tuple[str, torch.Tensor]], names: 
     written: set[int] = set()  # destinations' data_ptr: one batch writes each place once
     device: int | None = None
     nbytes = start = 0
-    size = min(FIRST_PIECE_KEYS, PIECE_KEYS)
+    grown = min(FIRST_PIECE_KEYS, PIECE_KEYS)
+    size = piece_size(grown, len(items))
     bands: dict[tuple[Callable[..., None], torch.dtype],
                 tuple[list[int], list[torch.Tensor], list[torch.Tensor], list[tuple[int, int]], Any]] = {}
     # One-scale matrices (per-tensor scales) with rows still to come, by their scale view's data_ptr:
@@ -201,9 +218,11 @@ def record_list(session: Any, items: Sequence[tuple[str, torch.Tensor]], names: 
             if open_rows:
                 return  # a one-scale matrix's other rows are not in this list
             pieces.append(Piece(start, i + 1, tuple(big), CopyGroup(small), tuple(small_src), tuple(layers), nbytes,
-                                tuple(_band_group(fn, dtype, *group) for (fn, dtype), group in bands.items())))
+                                tuple(_band_group(fn, dtype, *group) for (fn, dtype), group in bands.items()),
+                                source_guard([t for _, t in items[start:i + 1]])))
             big, small, small_src, layers, nbytes, start, bands = [], [], [], {}, 0, i + 1, {}
-            size = min(2 * size, PIECE_KEYS)
+            grown = min(2 * grown, PIECE_KEYS)
+            size = piece_size(grown, len(items) - start)
     assert device is not None
     records[names] = ListReplay(session.state.views_epoch, tuple(shapes), tuple(dtypes),
                                 all(map(shape_by_counts, shapes)), tuple(map(len, shapes)),
@@ -258,21 +277,22 @@ def _replay_piece(session: Any, rec: ListReplay, piece: Piece, names: tuple[str,
                   fresh: bool) -> bool:
     """Check one piece, then write it (True); False, nothing written, when it fails its check."""
     a, b = piece.start, piece.stop
-    if not _valid(session, rec, names, tensors, a, b, fresh):
+    if not _valid(session, rec, piece, names, tensors, fresh):
         return False
     prepare = session._prepare
     for layer in piece.layers:
         prepare(layer)  # the rollback snapshot of a layer before its first write
+    contiguous = piece.guard is not None  # (proven by its check)
     if piece.big:
         copy_pairs([(dst, tensors[i]) for dst, i in piece.big], rec.device)
     if piece.small_src:
-        piece.small.copy(list(map(tensors.__getitem__, piece.small_src)))
+        piece.small.copy(list(map(tensors.__getitem__, piece.small_src)), contiguous)
     if piece.bands:
         queued = session._writes.bands
         flush = False
         for quantize, idx, qs, ss, ready in piece.bands:
             srcs = list(map(tensors.__getitem__, idx))
-            if ready is not None and ready.launch(srcs):
+            if ready is not None and ready.launch(srcs, contiguous):
                 continue  # launched from the table made at the record: only the sources were read
             items_of = queued.get(quantize)
             if items_of is None:
@@ -288,15 +308,34 @@ def _replay_piece(session: Any, rec: ListReplay, piece: Piece, names: tuple[str,
     return True
 
 
-def _valid(session: Any, rec: ListReplay, names: tuple[str, ...], tensors: list[Any], a: int, b: int,
+def _valid(session: Any, rec: ListReplay, piece: Piece, names: tuple[str, ...], tensors: list[Any],
            fresh: bool) -> bool:
-    """Whether ``tensors[a:b]`` (named ``names[a:b]``) are what ``rec`` recorded, announced as such, and
-    none arrived before (known when ``fresh``: nothing had arrived when the list's replay began)."""
+    """Whether the piece's tensors (named as the piece's ``names``) are what ``rec`` recorded, announced as
+    such, and none arrived before (known when ``fresh``: nothing had arrived when the list's replay began)."""
+    a, b = piece.start, piece.stop
     names, tensors = names[a:b], tensors[a:b]
     # The cached views of the record's epoch (a view is only ever dropped with all the others), then
-    # type, dtype, shape and device of every tensor, each as one C-level pass; the type pass runs
-    # before any attribute is read.
-    if rec.epoch != session.state.views_epoch or not all_plain(tensors):
+    # type, dtype, shape and device of every tensor: in one C++ pass where the piece has a guard, else
+    # each as one C-level pass, the type pass before any attribute is read.
+    if rec.epoch != session.state.views_epoch:
+        return False
+    if piece.guard is not None:
+        if not piece.guard.check(tensors):
+            return False
+    elif not _valid_per_property(rec, tensors, a, b):
+        return False
+    announced = session._announced
+    if announced is not None and announced is not rec.announced:  # else known to match (or none announced)
+        for name, t in zip(names, tensors):
+            want = announced.get(name)
+            if want is None or want[1] is not t.dtype or want[0] != t.shape:
+                return False
+    return fresh or session._arrived.isdisjoint(names)
+
+
+def _valid_per_property(rec: ListReplay, tensors: list[Any], a: int, b: int) -> bool:
+    """Type, dtype, shape and device of ``tensors`` (the record's ``a:b``), one C-level pass each."""
+    if not all_plain(tensors):
         return False
     if tuple(map(dtype_of, tensors)) != rec.dtypes[a:b]:
         return False
@@ -307,12 +346,4 @@ def _valid(session: Any, rec: ListReplay, names: tuple[str, ...], tensors: list[
             return False
     elif tuple(map(shape_of, tensors)) != rec.shapes[a:b]:
         return False
-    if set(map(get_device, tensors)) != {rec.device}:
-        return False
-    announced = session._announced
-    if announced is not None and announced is not rec.announced:  # else known to match (or none announced)
-        for name, t in zip(names, tensors):
-            want = announced.get(name)
-            if want is None or want[1] is not t.dtype or want[0] != t.shape:
-                return False
-    return fresh or session._arrived.isdisjoint(names)
+    return set(map(get_device, tensors)) == {rec.device}
