@@ -27,6 +27,37 @@ class Net(nn.Module):
         self.layers[1].workspace = torch.zeros(8)  # a plain tensor attribute is graph-visible too
 
 
+@pytest.fixture(autouse=True, params=["one pass", "field by field"])
+def checks(request, monkeypatch) -> str:
+    """The re-check compares layouts and pointers in one C++ pass each where torch offers it, else field
+    by field: every test holds either way."""
+    if request.param == "field by field":
+        monkeypatch.setattr("weight_sync.reload.audit.guards_available", lambda: False)
+    return request.param
+
+
+def test_the_baseline_checks_in_one_pass_where_torch_offers_it(checks: str) -> None:
+    assert (take_baseline(Net()).guard is not None) == (checks == "one pass")
+
+
+def test_a_parameter_that_stops_requiring_grad_makes_the_next_begin_walk_and_still_loads(monkeypatch,
+                                                                                        checks: str) -> None:
+    net = Net()
+    record_metadata_for_reloading(net)
+    walked = _walks(monkeypatch)
+    with begin_update(net) as s:
+        s.load(_weights(1))
+    net.head.weight.requires_grad_(False)  # not part of a signature: the walk finds nothing moved
+    with begin_update(net) as s:
+        s.load(_weights(2))
+    # The one-pass check refuses the kept baseline (stricter than a signature) and walks again; field by
+    # field keeps it. Either way the update loads.
+    assert walked == ([1, 1] if checks == "one pass" else [1])
+    state = dict(net.state_dict())
+    for name, t in _weights(2):
+        assert state[name].equal(t), name
+
+
 def _weights(seed: int) -> list[tuple[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     return [(n, torch.randn(t.shape, generator=g)) for n, t in Net().state_dict().items()]

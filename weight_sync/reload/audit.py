@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from weight_sync.errors import UpdateStateError
+from weight_sync.layers.source_guard import SourceGuard, guards_available, same_pointers
 from weight_sync.layers.tensors import TensorSignature, graph_visible_tensors, verify_signatures
 
 __all__ = ["Baseline", "check_layers_recorded", "still_holds", "take_baseline", "verify_baseline"]
@@ -63,6 +64,13 @@ class Baseline:
     # every tensor as one pass in C (building a signature tuple per tensor costs about as much again).
     tensors: list[torch.Tensor] = field(default_factory=list)
     columns: tuple[tuple[Any, ...], ...] = ()
+    # The tensors' type, dtype, device, shape and strides in one C++ check (layers/source_guard.py), with
+    # the data pointers as a list and their indices for torch's one-pass pointer check; None: compared
+    # field by field. Stricter than a signature (it also compares requires_grad and dispatch keys): a
+    # tensor it refuses is decided by the full walk, as any re-check failure is.
+    guard: SourceGuard | None = None
+    ptrs: list[int] = field(default_factory=list)
+    indices: list[int] = field(default_factory=list)
 
     def release(self) -> None:
         """Drop the references to modules and tensors (the signatures stay)."""
@@ -71,6 +79,7 @@ class Baseline:
         self.sizes.clear()
         self.tensors.clear()
         self.columns = ()
+        self.guard = None
 
 
 # A signature's fields, read the way TensorSignature's are (data_ptr, shape, dtype, stride, device).
@@ -124,6 +133,14 @@ def take_baseline(model: nn.Module) -> Baseline:
             ]))
     base.tensors = [t for _, _, _, t in places]
     base.columns = tuple(zip(*(sigs[qual] for qual, _, _, _ in places))) or ((),) * len(_FIELDS)
+    if base.tensors and guards_available():
+        try:
+            base.guard = SourceGuard(base.tensors)
+        except Exception:  # a tensor the guard cannot record (a wrapper subclass): field by field
+            base.guard = None
+        else:
+            base.ptrs = list(base.columns[0])
+            base.indices = list(range(len(base.tensors)))
     return base
 
 
@@ -148,10 +165,16 @@ def _unchanged(base: Baseline, skip: tuple[str, ...], model: nn.Module) -> bool:
             return False
     if skip:
         return True
-    # Every tensor is still bound where it was: compare the signatures field by field. The C methods
-    # are read unbound (what a plain tensor's own would return); a subclass overriding one of them
-    # only ever fails this, and the full walk of verify_baseline then decides with its own methods.
+    # Every tensor is still bound where it was: compare the signatures, in one C++ pass for the layouts
+    # and one for the pointers where torch offers them, else field by field. The C methods are read
+    # unbound (what a plain tensor's own would return); a subclass overriding one of them only ever
+    # fails this, and the full walk of verify_baseline then decides with its own methods.
     tensors = base.tensors
+    if base.guard is not None:
+        if not base.guard.check(tensors):
+            return False
+        same = same_pointers(tensors, base.ptrs, base.indices)
+        return same if same is not None else list(map(torch.Tensor.data_ptr, tensors)) == base.ptrs
     return all(tuple(map(read, tensors)) == column for read, column in zip(_FIELDS, base.columns, strict=True))
 
 
