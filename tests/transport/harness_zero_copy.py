@@ -135,3 +135,104 @@ def zero_copy_split_calls(rank: int, world: int, ckpt_a: str, ckpt_b: str, calls
     result = {"fingerprint": engine.fingerprint(), "fresh": fresh}
     end.close()
     return result
+
+
+def zero_copy_refused_manifest(rank: int, world: int, ckpt_a: str, ckpt_b: str) -> dict:
+    """send() produces the call's tensors while the engines validate the manifest: an update whose
+    manifest the engine refuses (one tensor announced a row short) closes the trainer's source, exports
+    nothing and writes nothing; the next clean update reuses every export."""
+    end, engine, _ = connect_pair(rank, world, "shm", ckpt_a, tp=False, rollback=True, config=ZERO_COPY)
+    manifest = CheckpointSource(ckpt_b).manifest()
+    if rank == 0:
+        from weight_sync import Manifest
+
+        w = _trainer_weights(ckpt_b)
+        short = next(n for n, t in w.items() if t.dim() == 2)
+        wrong = {**w, short: w[short][:-1]}  # a view of the same storage, one row short
+        bad = Manifest.from_named_tensors(list(wrong.items()))
+        produced: list[str] = []
+        closed: list[bool] = []
+
+        def source():  # one tensor more than announced: suspended there until someone closes it
+            try:
+                for item in wrong.items():
+                    produced.append(item[0])
+                    yield item
+                yield "unannounced.weight", torch.zeros(1)
+            finally:
+                closed.append(True)
+
+        outcomes, exported = [], []
+        for label, items, m in (("clean", list(w.items()), manifest), ("refused", source(), bad),
+                                ("clean again", list(w.items()), manifest)):
+            try:
+                end.send(items, m, version=label)
+                outcomes.append((label, "ok", ""))
+            except Exception as e:
+                outcomes.append((label, type(e).__name__, str(e)))
+            exported.append(end.zero_copy_stats["exported"])
+        end.close()
+        return {"outcomes": outcomes, "exported": exported, "closed": closed, "short": short,
+                "num_tensors": len(w)}
+    outcomes, fingerprints = [], []
+    for label in ("clean", "refused", "clean again"):
+        try:
+            end.receive_update()
+            outcomes.append((label, "ok", ""))
+        except Exception as e:
+            outcomes.append((label, type(e).__name__, str(e)))
+        fingerprints.append(engine.fingerprint())
+    fresh_b = ReferenceEngine.from_checkpoint(ckpt_b).fingerprint()
+    torn = torn_reason(engine.model)
+    end.close()
+    return {"outcomes": outcomes, "fingerprints": fingerprints, "fresh_b": fresh_b, "torn": torn}
+
+
+def zero_copy_call_in_start(rank: int, world: int, ckpt_a: str, ckpt_b: str) -> dict:
+    """send() to one receiver of the tensors it sent last time rides its call in the start header. Five
+    updates of the trainer's tensors, updated in place: whole (receive_update), whole, then driven phase
+    by phase, then one the engine refuses at begin, then whole again."""
+    end, engine, _ = connect_pair(rank, world, "shm", ckpt_a, tp=False, rollback=True, config=ZERO_COPY)
+    manifest = CheckpointSource(ckpt_b).manifest()
+    if rank == 0:
+        w, a = _trainer_weights(ckpt_b), _trainer_weights(ckpt_a)
+        outcomes, controls = [], []
+        for step in range(5):
+            for n, t in w.items():
+                t.copy_((a if step % 2 else _trainer_weights(ckpt_b))[n])  # in place: the same storages
+            try:
+                report = end.send(list(w.items()), manifest, version=step)
+                outcomes.append("ok")
+                controls.append(report.host_waits.get("control"))
+            except Exception as e:
+                outcomes.append(f"{type(e).__name__}: {e}")
+                controls.append(None)
+        exported = end.zero_copy_stats["exported"]
+        end.close()
+        return {"outcomes": outcomes, "controls": controls, "exported": exported, "num_tensors": len(w)}
+    fresh = {0: ReferenceEngine.from_checkpoint(ckpt_b).fingerprint(),
+             1: ReferenceEngine.from_checkpoint(ckpt_a).fingerprint()}
+    outcomes, fingerprints, torn = [], [], []
+    real_begin = engine.begin_update
+
+    def refusing_begin(manifest: Any, **opts: Any) -> Any:
+        raise RuntimeError("this engine refuses the update at begin")
+
+    for step in range(5):
+        try:
+            if step == 2:  # phase by phase: the call waits in the receiver for update_weights
+                end.start_weight_update()
+                loaded = end.update_weights()
+                end.finish_weight_update()
+                assert loaded == len(manifest)
+            else:
+                engine.begin_update = refusing_begin if step == 3 else real_begin  # type: ignore[method-assign]
+                end.receive_update()
+            outcomes.append("ok")
+        except Exception as e:
+            outcomes.append(f"{type(e).__name__}: {e}")
+        fingerprints.append(engine.fingerprint())
+        torn.append(torn_reason(engine.model))
+    end.close()
+    return {"outcomes": outcomes, "fingerprints": fingerprints, "torn": torn,
+            "fresh": [fresh[step % 2] for step in range(5)]}

@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 
 from tests.transport.harness_zero_copy import (
+    zero_copy_call_in_start,
     zero_copy_lifecycle,
+    zero_copy_refused_manifest,
     zero_copy_source_fails,
     zero_copy_split_calls,
 )
@@ -59,6 +61,36 @@ def test_a_failing_source_rolls_the_engine_back_and_the_next_update_starts_from_
     assert engine["final"] == engine["fresh_b"]
 
 
+def test_a_refused_manifest_closes_the_source_writes_nothing_and_exports_nothing(qwen3_a: Path,
+                                                                                qwen3_b: Path) -> None:
+    trainer, engine = run_distributed(zero_copy_refused_manifest, 2, str(qwen3_a), str(qwen3_b), timeout_s=240)
+    (_, c1, _), (_, t2, m2), (_, c3, _) = trainer["outcomes"]
+    assert c1 == c3 == "ok" and t2.endswith("ManifestError") and trainer["short"] in m2, trainer["outcomes"]
+    assert [o[1] for o in engine["outcomes"]] == ["ok", t2, "ok"], engine["outcomes"]
+    assert trainer["closed"] == [True], "the trainer's source is closed when the update is refused"
+    n = trainer["num_tensors"]
+    assert trainer["exported"] == [n, n, n], "nothing is exported for a refused update; the next one reuses all"
+    clean, refused, again = engine["fingerprints"]
+    assert clean == refused == again == engine["fresh_b"] and engine["torn"] is None
+
+
+def test_a_repeated_send_to_one_receiver_rides_its_call_in_the_start_header(qwen3_a: Path, qwen3_b: Path) -> None:
+    trainer, engine = run_distributed(zero_copy_call_in_start, 2, str(qwen3_a), str(qwen3_b), timeout_s=240)
+    assert trainer["outcomes"][:3] == ["ok"] * 3 and trainer["outcomes"][4] == "ok", trainer["outcomes"]
+    assert "refuses the update at begin" in trainer["outcomes"][3], "the refusal is agreed on both sides"
+    assert "refuses the update at begin" in engine["outcomes"][3] and engine["outcomes"][:3] == ["ok"] * 3
+    # Control messages per update on the trainer. The first: start header and status, call header and
+    # status (with the folded commit vote). A repeat: one header, one status. Phase by phase, the engine
+    # does not fold its commit, so a finish header and status follow (4, not 6). After the refusal the
+    # manifest and every region are sent anew: a full start again.
+    assert trainer["controls"] == [4, 2, 4, None, 4], trainer["controls"]
+    # Exported at the first update and once more after the refusal (a failed call resets every region).
+    assert trainer["exported"] == 2 * trainer["num_tensors"]
+    fps, fresh = engine["fingerprints"], engine["fresh"]
+    assert fps[:3] == fresh[:3] and fps[4] == fresh[4], "each committed update equals a fresh load"
+    assert fps[3] == fps[2] and engine["torn"] == [None] * 5, "the refused update wrote nothing"
+
+
 def test_an_update_split_into_calls_from_a_lazy_source_equals_a_fresh_load(qwen3_a: Path, qwen3_b: Path) -> None:
     trainer, engine = run_distributed(zero_copy_split_calls, 2, str(qwen3_a), str(qwen3_b), 3, timeout_s=240)
     assert engine["fingerprint"] == engine["fresh"]
@@ -77,3 +109,52 @@ def test_an_update_split_into_calls_from_a_lazy_source_equals_a_fresh_load(qwen3
 def test_zero_copy_is_rejected_where_it_cannot_work(kwargs: dict, needle: str) -> None:
     with pytest.raises(ConfigError, match=needle):
         TransportConfig(**kwargs)
+
+
+def _remembered(exporter, tensors):
+    _, rows = exporter.table(tensors)
+    exporter.remember(tensors, rows)
+    return rows
+
+
+def test_a_call_of_tensors_lying_where_the_last_ones_lay_repeats_its_table_without_a_lookup() -> None:
+    import torch
+
+    from weight_sync.transport.zerocopy import RegionExporter
+
+    exporter = RegionExporter("shm", torch.device("cpu"), [1])
+    params = [torch.randn(4, 8), torch.randn(3), torch.randn(2, 2)]
+    rows = _remembered(exporter, params)
+    assert exporter.repeat_rows(params) is rows
+    for p in params:
+        p.add_(1)  # an optimizer step: new values, same memory
+    assert exporter.repeat_rows(params) is rows
+    assert exporter.repeat_rows([p.detach() for p in params]) is rows  # other tensor objects, same memory
+
+
+def test_any_move_of_a_tensor_or_its_region_makes_the_call_look_its_tensors_up_again() -> None:
+    import gc
+
+    import torch
+
+    from weight_sync.transport.zerocopy import RegionExporter
+
+    exporter = RegionExporter("shm", torch.device("cpu"), [1])
+    params = [torch.randn(4, 8), torch.randn(3), torch.randn(2, 2)]
+    _remembered(exporter, params)
+    moved = [params[0].clone(), *params[1:]]  # a replaced parameter: new memory
+    assert exporter.repeat_rows(moved) is None
+    assert exporter.repeat_rows([params[0].view(8, 4), *params[1:]]) is None  # same memory, other shape
+    assert exporter.repeat_rows(params[:2]) is None
+    temporary = torch.randn(5)
+    _remembered(exporter, [*params, temporary])
+    del temporary
+    gc.collect()
+    exporter.control()  # the temporary's storage died: its region goes, and with it the remembered table
+    assert exporter.repeat_rows([*params, torch.randn(5)]) is None
+    _remembered(exporter, params)
+    exporter.forget_tables()  # a new manifest
+    assert exporter.repeat_rows(params) is None
+    _remembered(exporter, params)
+    exporter.reset()  # a failed call
+    assert exporter.repeat_rows(params) is None

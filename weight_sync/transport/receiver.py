@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -111,6 +112,10 @@ class WeightReceiver:
         self._stats_at_start: dict[str, int] = {}
         # Delta sync: a host copy of the last committed update, made once a sender asks for it.
         self._delta_base: ReceiverDeltaBase | None = None
+        # A start header that carried its call (``call_in_start``): the call, when this receiver is driven
+        # phase by phase (update_weights takes it); receive_update runs it at once (``_whole``).
+        self._pending_call: ControlHeader | None = None
+        self._whole = False
 
     # ------------------------------------------------------------------ connection
     def connect(self) -> WireParams | None:
@@ -162,6 +167,12 @@ class WeightReceiver:
             self._channel.fail(msg)
             raise TransportError(msg)
         return header
+
+    def _next_header(self, phase: str) -> ControlHeader:
+        """The sender's next phase: the call its start header carried, if not taken yet, else the next
+        header on the channel."""
+        pending, self._pending_call = self._pending_call, None
+        return pending if pending is not None else self._header(phase)
 
     def _handle(self, header: ControlHeader, wanted: str, error: BaseException | None = None, *,
                 fold: bool = False) -> Any:
@@ -312,6 +323,16 @@ class WeightReceiver:
         self._manifest = wire or manifest
         self._version = header.version
         self._state = "open" if self._session is not None else "idle"
+        if header.call_in_start:
+            # The header is also the call, and the start has no exchange of its own: the call's carries
+            # this rank's verdict on the manifest (one receiver: nobody else wrote if it refuses).
+            call = replace(header, kind="call", manifest=None, reuse_manifest_of=None, call_in_start=False,
+                           zero_copy={**(header.zero_copy or {}), "drop": [], "reset": False})
+            if self._whole or error is not None:
+                self._on_call(call, error, fold=self._whole)  # a refusal raises the agreed error here
+            else:
+                self._pending_call = call  # driven phase by phase: update_weights() takes it
+            return manifest
         statuses = self._channel.exchange_status(status_of(self.rank, "start_weight_update", error))
         raise_agreed(statuses, "start_weight_update", self._channel.size, local=error)
         return manifest
@@ -326,7 +347,7 @@ class WeightReceiver:
             except BaseException as e:
                 self._abort_session(f"{type(e).__name__}: {e}")
                 raise
-        return self._handle(self._header("update_weights"), "call")
+        return self._handle(self._next_header("update_weights"), "call")
 
     def abort_weight_update(self, error: BaseException) -> None:
         """End the open update because the engine failed it before this receiver took the sender's call.
@@ -351,7 +372,7 @@ class WeightReceiver:
             self._abort_session(reason)
             return
         try:
-            header = self._header("update_weights (ended by the engine)")
+            header = self._next_header("update_weights (ended by the engine)")
         except BaseException:
             self._abort_session(reason)  # no sender phase to join (it never came): the local session ends
             raise
@@ -368,14 +389,26 @@ class WeightReceiver:
         session and take the finish as usual (``prepare`` does not run twice).
         """
         assert self._channel is not None and self._link is not None
-        loaded, error = self._link.consume_call(header, self._manifest, self._session, self._version, error)
+        prepared: list[tuple[BaseException | None, dict[str, Any]]] = []
+
+        def prepare_while_loading() -> None:
+            # Zero-copy: every load is queued and the device still copies. The commit's checks read host
+            # metadata (completeness, the pointer audit) and then wait for the device themselves, so
+            # they run now rather than after the link's wait for the loads (which then finds them
+            # complete). That device wait has no deadline, and needs none: the loads read the sender's
+            # memory only after its event completed, so they depend on nothing outside this process.
+            if fold and header.then_finish and error is None and self._incomplete() is None:
+                prepared.append(self._prepare_commit())
+
+        loaded, error = self._link.consume_call(header, self._manifest, self._session, self._version, error,
+                                                prepare_while_loading if fold and header.then_finish else None)
         # Not with tensors missing: the sender failed mid-call (its status says so; an incomplete
         # verdict here would only blur the agreed error) or it will refuse the finish itself.
-        folding = fold and header.then_finish and error is None and self._incomplete() is None
+        folding = fold and header.then_finish and error is None and (bool(prepared) or self._incomplete() is None)
         phase = "update_weights"
         summary: dict[str, Any] = {}
         if folding:
-            error, summary = self._prepare_commit()
+            error, summary = prepared[0] if prepared else self._prepare_commit()
             if error is not None:
                 phase = "finish_weight_update"
             else:
@@ -395,7 +428,7 @@ class WeightReceiver:
             report = session.finish()
             self._committed(report)
             return report
-        return self._handle(self._header("finish_weight_update"), "finish")
+        return self._handle(self._next_header("finish_weight_update"), "finish")
 
     def _on_finish(self, error: BaseException | None) -> Any:
         """Prepare the commit, agree on it in one exchange, then commit (or abort) on every rank alike.
@@ -480,16 +513,22 @@ class WeightReceiver:
         """Run one whole update (start, every call, finish) as the sender drives it; returns the report.
 
         A delta refused for its base is followed by the sender's full update at once: that one is run."""
+        self._whole = True  # a start header carrying the call runs it (and commits, folded) at once
         try:
-            self.start_weight_update(timeout_s)
-        except TransportError as e:
-            if not is_delta_refusal(e):
-                raise
-            log.info("[rank %d] delta refused (%s); receiving the sender's full update", self.rank, e)
-            self.start_weight_update(timeout_s)
+            try:
+                self.start_weight_update(timeout_s)
+            except TransportError as e:
+                if not is_delta_refusal(e):
+                    raise
+                log.info("[rank %d] delta refused (%s); receiving the sender's full update", self.rank, e)
+                self.start_weight_update(timeout_s)
+        finally:
+            self._whole = False
         if self._disk is not None:
             self.update_weights()
             return self.finish_weight_update()
+        if self._state == "idle":  # the start header carried the call, committed in its exchange
+            return self.last_report
         while True:
             header = self._header("update_weights or finish_weight_update")
             if header.kind == "finish":

@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,18 +80,20 @@ class ReceiverLink:
     events: list[Any] | None = None  # ipc: the sender's packing events, one per buffer
 
     def consume_call(self, header: ControlHeader, manifest: Manifest | None, session: Any, version: Any,
-                     error: BaseException | None) -> tuple[int, BaseException | None]:
+                     error: BaseException | None, loaded_hook: Callable[[], None] | None = None,
+                     ) -> tuple[int, BaseException | None]:
         """Take one sender call's data into ``session``; returns (tensors loaded, error to report).
 
         A rank that already failed (``error``) or has no open update still takes the call's buckets,
         without loading them, so that the sender and the other receivers are never left waiting. A
         bucket layout that differs from the sender's breaks the channel and raises here (the two sides
-        cannot agree on what the bytes are).
+        cannot agree on what the bytes are). ``loaded_hook`` (zero-copy): called once every load of the
+        call is queued, before waiting for the device to complete them.
         """
         if manifest is None or session is None:
             error = error or UpdateStateError(f"[rank {self.rank}] update_weights arrived without an open update")
         if header.zero_copy is not None:
-            return self._consume_zero_copy(header, manifest, session, error, version)
+            return self._consume_zero_copy(header, manifest, session, error, version, loaded_hook)
         # Without a manifest (this rank has no open update) the call is planned as empty.
         layout = self.layouts.get(manifest.tensors if manifest else (), header.first, header.count)
         if layout.num_buckets != header.num_buckets:
@@ -103,7 +106,8 @@ class ReceiverLink:
         return self.consumer.consume_call(header, layout, session, version, error)
 
     def _consume_zero_copy(self, header: ControlHeader, manifest: Manifest | None, session: Any,
-                           error: BaseException | None, version: Any) -> tuple[int, BaseException | None]:
+                           error: BaseException | None, version: Any,
+                           loaded_hook: Callable[[], None] | None) -> tuple[int, BaseException | None]:
         """A call without buffers: import the new regions, load from the sender's memory in place."""
         zc = header.zero_copy or {}
         table = zc.get("table")
@@ -117,7 +121,7 @@ class ReceiverLink:
             elif error is None:
                 metas = manifest.tensors[header.first : header.first + header.count]  # type: ignore[union-attr]
                 loaded = load_in_place(self.zc, (header.first, header.count), zc, metas, session,
-                                       self.channel, self.zc_event, self.shim)
+                                       self.channel, self.zc_event, self.shim, loaded_hook)
         except Exception as e:
             error = error or e
             log.error("[rank %d] update %r: zero-copy call %d: %s", self.rank, version, header.call, e)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import re
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,8 @@ from typing import Any
 import torch
 
 from weight_sync.errors import SourceError, TransportError
+from weight_sync.layers.accessors import data_ptr
+from weight_sync.layers.source_guard import SourceGuard, same_pointers, source_guard
 from weight_sync.manifest import TensorMeta
 from weight_sync.transport.buffers import export_ipc_buffer, import_ipc_buffer
 from weight_sync.transport.wire import IpcBufferHandle
@@ -81,6 +84,12 @@ class RegionExporter:
         # a trainer sending the same tensors again ships one flag instead of the table.
         self._tables: dict[tuple[int, int], list[list[int]]] = {}
         self.exported = 0  # regions exported since connect (a trainer updating in place: once per storage)
+        # Bumped whenever a region is exported, dropped or forgotten: a table looked up at one epoch
+        # names live regions as long as the epoch lasts.
+        self.epoch = 0
+        # The last whole call's tensors as (their layout guard, data pointers, table, epoch), to know
+        # in one pass each that the next call's tensors lie exactly where these did (repeat_rows).
+        self._last: tuple[SourceGuard, list[int], list[list[int]], int] | None = None
 
     def __len__(self) -> int:
         return len(self._regions)
@@ -97,6 +106,29 @@ class RegionExporter:
             raise SourceError(f"zero-copy shm: {name!r} is on {t.device}; shm shares CPU tensors only")
         return t if t.is_contiguous() else t.contiguous()
 
+    def _region_of(self, storage: torch.UntypedStorage) -> _Region | None:
+        """The live export of ``storage``, or None: never exported, or ``id()`` reused by a new storage
+        after the exported one died, or resized in place since (new memory)."""
+        region = self._regions.get(id(storage))
+        if (region is None or region.ref() is not storage or region.ptr != storage.data_ptr()
+                or region.nbytes != storage.nbytes()):
+            return None
+        return region
+
+    def known_rows(self, tensors: list[torch.Tensor]) -> list[list[int]] | None:
+        """[region id, byte offset] per tensor when every one lies in a storage exported already (the
+        table :meth:`table` would return, with no new region), else None; exports nothing."""
+        rows: list[list[int]] = []
+        for t in tensors:
+            if t.numel() == 0:
+                rows.append([EMPTY, 0])
+                continue
+            region = self._region_of(t.untyped_storage())
+            if region is None:
+                return None
+            rows.append([region.id, int(t.storage_offset()) * t.element_size()])
+        return rows
+
     def table(self, tensors: list[torch.Tensor]) -> tuple[list[dict[str, Any]], list[list[int]]]:
         """(new region records, [region id, byte offset] per tensor) for the call's contiguous tensors."""
         new: list[dict[str, Any]] = []
@@ -107,9 +139,9 @@ class RegionExporter:
                     rows.append([EMPTY, 0])  # nothing to map: receivers make an empty tensor
                     continue
                 storage = t.untyped_storage()
-                region = self._regions.get(id(storage))
-                if (region is None or region.ref() is not storage or region.ptr != storage.data_ptr()
-                        or region.nbytes != storage.nbytes()):
+                region = self._region_of(storage)
+                if region is None:
+                    region = self._regions.get(id(storage))
                     if region is not None:
                         # id() reused by a new storage after the old one died, or the storage was
                         # resized in place: the old region goes.
@@ -120,6 +152,7 @@ class RegionExporter:
                     region = _Region(rid, weakref.ref(storage), storage.data_ptr(), storage.nbytes())
                     self._next_id += 1
                     self.exported += 1
+                    self.epoch += 1
                     self._regions[id(storage)] = region
                 # The offset in the storage does not change when the export moves it.
                 rows.append([region.id, int(t.storage_offset()) * t.element_size()])
@@ -155,6 +188,30 @@ class RegionExporter:
     def forget_tables(self) -> None:
         """A new manifest: tables are keyed by position, so none carries over (receivers do the same)."""
         self._tables.clear()
+        self._last = None
+
+    def repeat_rows(self, tensors: list[torch.Tensor]) -> list[list[int]] | None:
+        """The table of the last call remembered, when ``tensors`` lie exactly where its tensors lay: the
+        same type, dtype, device, shape and strides (one C++ pass), the same data pointers, and every
+        region of that table still exported (no region came or went since: memory at a pointer of a
+        live region belongs to that region's storage). None otherwise; the caller then checks and
+        tables the tensors one by one."""
+        last = self._last
+        if last is None or last[3] != self.epoch:
+            return None
+        guard, ptrs, rows, _ = last
+        if not guard.check(tensors):
+            return None
+        same = same_pointers(tensors, ptrs, list(range(len(ptrs)))) if self.backend == "ipc" else None
+        if same is None:
+            same = list(map(data_ptr, tensors)) == ptrs
+        return rows if same else None
+
+    def remember(self, tensors: list[torch.Tensor], rows: list[list[int]]) -> None:
+        """Remember a whole call's tensors (checked against the manifest) and their table for
+        :meth:`repeat_rows`."""
+        guard = source_guard(tensors)
+        self._last = None if guard is None else (guard, list(map(data_ptr, tensors)), rows, self.epoch)
 
     def control(self) -> dict[str, Any]:
         """What receivers release before anything else in the next header: the regions whose storage
@@ -163,6 +220,7 @@ class RegionExporter:
             if region.ref() is None:
                 self._dropped.append(region.id)
                 del self._regions[key]
+                self.epoch += 1
         out = {"drop": [] if self._reset else self._dropped, "reset": self._reset}
         self._dropped, self._reset = [], False
         return out
@@ -179,6 +237,8 @@ class RegionExporter:
         """Forget every region (after a failed call); the next header tells receivers to do the same."""
         self._regions.clear()
         self._tables.clear()
+        self._last = None
+        self.epoch += 1
         self._dropped = []
         self._reset = True
 
@@ -303,11 +363,12 @@ def load_in_place(
     channel: Any,
     sender_event: Any,
     shim: Any,
+    loaded_hook: Callable[[], None] | None = None,
 ) -> int:
     """Load one zero-copy call into ``session`` straight from the sender's memory; returns the count.
 
     Returns only once the loads *completed*: the sender may overwrite its tensors as soon as the call's
-    status exchange is over.
+    status exchange is over. ``loaded_hook`` runs once the loads are queued, while the device copies.
     """
     views = importer.call_views(key, zc, metas)
     if sender_event is not None:
@@ -315,6 +376,8 @@ def load_in_place(
         # must never sit behind a sender that never gets there.
         channel.wait_event(sender_event, "update_weights: the sender's tensors", "the sender's device (rank 0)")
     session.load(views)
+    if loaded_hook is not None:
+        loaded_hook()
     if shim.is_cuda:
         done = shim.event()
         done.record(shim.current_stream())
