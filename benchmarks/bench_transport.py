@@ -451,6 +451,45 @@ def _plot(result: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def _plot_phases(result: dict[str, Any], path: Path) -> None:
+    """Time per phase of one update, per row: the data phase and the control around it (start..commit
+    minus data), next to the row's baseline (one device copy, or a raw broadcast of the same bytes)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [(f"{run['backend']}{'+zc' if run.get('zero_copy') else ''} {run['quantization'] or 'bf16'} "
+             f"{r['bucket_mb']} MiB", r) for run in result["runs"] for r in run["rows"]]
+    if not rows:
+        return
+    fig, ax = plt.subplots(figsize=(8, 0.6 * len(rows) + 2.4))
+    ys = list(range(len(rows)))
+    data = [r["data_seconds"] * 1e3 for _, r in rows]
+    control = [(r["seconds"] - r["data_seconds"]) * 1e3 for _, r in rows]
+    ax.barh(ys, data, color="tab:blue", label="data (until the last bucket is loaded)")
+    ax.barh(ys, control, left=data, color="tab:orange", label="control (start, status exchanges, commit)")
+    for y, (_, r) in zip(ys, rows):
+        base = r.get("copy_s") or r.get("raw_s")
+        if base:
+            ax.plot([base * 1e3] * 2, [y - 0.4, y + 0.4], color="black", linewidth=2)
+        total = r["seconds"] * 1e3
+        ratio = f" = {r['seconds'] / base:.2f}x" if base else ""
+        ax.text(total, y, f" {total:.1f} ms{ratio}", va="center", fontsize=8)
+    ax.plot([], [], color="black", linewidth=2, label="baseline (one device copy / raw broadcast)")
+    ax.set_yticks(ys, [label for label, _ in rows], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms per update (start..commit, median)")
+    ax.set_title(f"time per phase of an update ({result['tag']})")
+    ax.set_xlim(0, max(d + c for d, c in zip(data, control)) * 1.3)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.3 - 0.6 / len(rows)), ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
 def _baseline_run(args: argparse.Namespace, argv: list[str], tag: str) -> dict[str, Any]:
     """This benchmark, same arguments, with weight_sync imported from ``--baseline-code`` (a subprocess:
     spawned ranks import weight_sync before they could be redirected)."""
@@ -546,7 +585,8 @@ def main(argv: list[str] | None = None) -> int:
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str))
     stem.with_suffix(".md").write_text(_markdown(result))
     _plot(result, stem.with_suffix(".png"))
-    print(f"[bench] wrote {stem}.json/.md/.png")
+    _plot_phases(result, stem.parent / f"{stem.name}_phases.png")
+    print(f"[bench] wrote {stem}.json/.md/.png and {stem.name}_phases.png")
     return 0
 
 
