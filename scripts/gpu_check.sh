@@ -74,7 +74,7 @@ for phase in "${phases[@]}"; do
       step bench_quant 240 python3 benchmarks/bench_quant.py --device cuda --preset qwen3-8b --tag h200 ;;
     moe)  # Qwen3-30B-A3B-shaped reload (16 of its 48 layers: engine + source + the naive path must fit)
       step bench_reload_moe 480 python3 benchmarks/bench_reload.py --device cuda --arch qwen3_moe \
-        --preset qwen3-30b-a3b --layers 16 --repeats 3 --formats bf16,fp8,fp8_block --tag h200_qwen3-30b-a3b ;;
+        --preset qwen3-30b-a3b --layers 16 --repeats 7 --formats bf16,fp8,fp8_block --tag h200_qwen3-30b-a3b ;;
     offload_update)  # an update of the offloaded 16 x 227 MB DiT against the pinned H2D bound
       step offload_update 300 python3 benchmarks/offload_update.py --tag h200 ;;
     offload)
