@@ -188,11 +188,13 @@ def zero_copy_refused_manifest(rank: int, world: int, ckpt_a: str, ckpt_b: str) 
     return {"outcomes": outcomes, "fingerprints": fingerprints, "fresh_b": fresh_b, "torn": torn}
 
 
-def zero_copy_call_in_start(rank: int, world: int, ckpt_a: str, ckpt_b: str) -> dict:
-    """send() to one receiver of the tensors it sent last time rides its call in the start header. Five
-    updates of the trainer's tensors, updated in place: whole (receive_update), whole, then driven phase
-    by phase, then one the engine refuses at begin, then whole again."""
-    end, engine, _ = connect_pair(rank, world, "shm", ckpt_a, tp=False, rollback=True, config=ZERO_COPY)
+def call_in_start(rank: int, world: int, ckpt_a: str, ckpt_b: str, backend: str, zero_copy: bool) -> dict:
+    """send() to one receiver of a manifest it accepted before rides its call in the start header (zero-copy:
+    of the tensors it sent last time). Five updates of the trainer's tensors, updated in place: whole
+    (receive_update), whole, then driven phase by phase, then one the engine refuses at begin, then whole
+    again."""
+    end, engine, _ = connect_pair(rank, world, backend, ckpt_a, tp=False, rollback=True,
+                                  config=ZERO_COPY if zero_copy else None)
     manifest = CheckpointSource(ckpt_b).manifest()
     if rank == 0:
         w, a = _trainer_weights(ckpt_b), _trainer_weights(ckpt_a)
@@ -207,7 +209,7 @@ def zero_copy_call_in_start(rank: int, world: int, ckpt_a: str, ckpt_b: str) -> 
             except Exception as e:
                 outcomes.append(f"{type(e).__name__}: {e}")
                 controls.append(None)
-        exported = end.zero_copy_stats["exported"]
+        exported = end.zero_copy_stats["exported"] if zero_copy else None
         end.close()
         return {"outcomes": outcomes, "controls": controls, "exported": exported, "num_tensors": len(w)}
     fresh = {0: ReferenceEngine.from_checkpoint(ckpt_b).fingerprint(),

@@ -326,8 +326,9 @@ class WeightReceiver:
         if header.call_in_start:
             # The header is also the call, and the start has no exchange of its own: the call's carries
             # this rank's verdict on the manifest (one receiver: nobody else wrote if it refuses).
+            zc = header.zero_copy  # (its releases were applied with the start: not again with the call)
             call = replace(header, kind="call", manifest=None, reuse_manifest_of=None, call_in_start=False,
-                           zero_copy={**(header.zero_copy or {}), "drop": [], "reset": False})
+                           zero_copy=None if zc is None else {**zc, "drop": [], "reset": False})
             if self._whole or error is not None:
                 self._on_call(call, error, fold=self._whole)  # a refusal raises the agreed error here
             else:

@@ -140,6 +140,9 @@ class WeightSender:
         self._zc_early: tuple[list[torch.Tensor], Any, BaseException | None, list[list[int]] | None] | None = None
         self._collected_epoch = -1  # the exporter's epoch at the last ipc_collect
         self._fused_call = False  # the open update's start header carried its (only) call
+        # send() to one receiver over a buffered backend: the open update's start, not yet sent (the
+        # update whose manifest it reuses), to go out as its call's header.
+        self._deferred_start: int | None = None
         self._zc_event: Any = None  # zero-copy ipc: recorded once the call's tensors are produced
         self._stats_at_start: dict[str, int] = {}
         # send(): its call announces the finish (ControlHeader.then_finish); the call's exchange records
@@ -314,7 +317,7 @@ class WeightSender:
     def _start_weight_update(self, manifest: Manifest | Iterable[TensorMeta], version: Any,
                              delta: dict[str, Any] | None = None,
                              during: Callable[[], None] | None = None,
-                             fuse: Callable[[], bool] | None = None) -> Manifest:
+                             fuse: Callable[[], bool] | None = None, defer: bool = False) -> Manifest:
         self._require("idle")
         if self._delta is not None and delta is None:
             self._delta.forget()  # an update outside send(): the base no longer follows the engines
@@ -356,6 +359,12 @@ class WeightSender:
         releases = self._zc.releases() if self._zc is not None else None
         if fuse is not None and delta is None and reuse is not None and fuse():
             return self._start_with_call(manifest, version, reuse[2], releases)
+        if defer and delta is None and reuse is not None and self._zc is None:
+            # One receiver, buffered: the start header goes out as the call's header (``call_in_start``),
+            # when the call announces itself (after queueing bucket 0's packing).
+            self._deferred_start = reuse[2]
+            self._state = "open"
+            return manifest
         if reuse is not None:
             header = ControlHeader(kind="start", seq=self._seq, version=version, reuse_manifest_of=reuse[2],
                                    delta=delta, zero_copy=releases)
@@ -468,8 +477,14 @@ class WeightSender:
         layout = self._layouts.get(self._manifest.tensors, first, count)
         self._call += 1
         assert self._channel is not None and self._plane is not None
-        header = ControlHeader(kind="call", seq=self._seq, call=self._call, first=first, count=count,
-                               num_buckets=layout.num_buckets, then_finish=self._finishes_after(first, count))
+        deferred, self._deferred_start = self._deferred_start, None
+        if deferred is not None:  # the start rides in this call's header (see _start_weight_update)
+            header = ControlHeader(kind="start", seq=self._seq, version=self._version, reuse_manifest_of=deferred,
+                                   call_in_start=True, call=self._call, first=first, count=count,
+                                   num_buckets=layout.num_buckets, then_finish=self._finishes_after(first, count))
+        else:
+            header = ControlHeader(kind="call", seq=self._seq, call=self._call, first=first, count=count,
+                                   num_buckets=layout.num_buckets, then_finish=self._finishes_after(first, count))
         channel = self._channel
 
         def announce() -> None:
@@ -492,7 +507,12 @@ class WeightSender:
         self._transfer_s += time.perf_counter() - t0
         self._num_buckets += layout.num_buckets
         self._pos += count
-        self._settle_call(self._channel.exchange_status(status_of(0, "update_weights", local_error)), local_error)
+        try:
+            self._settle_call(self._channel.exchange_status(status_of(0, "update_weights", local_error)), local_error)
+        except BaseException:
+            if deferred is not None:
+                self._agreed_manifest = None  # refused, maybe: the next start sends the manifest again
+            raise
         return count
 
     def _finishes_after(self, first: int, count: int) -> bool:
@@ -700,12 +720,13 @@ class WeightSender:
             return self._delta.send(self, named_tensors, manifest, version)
         early = self._zc is not None and self._disk is None
         # One receiver: a call ready before the start (the last send's tensors again) rides in its header.
-        fuse = (lambda: self._repeat_early(named_tensors)) if early and self.world_size == 2 else None
+        one = self.world_size == 2 and self._disk is None
+        fuse = (lambda: self._repeat_early(named_tensors)) if early and one else None
         try:
             with self._naming_the_unresponsive():
                 self._start_weight_update(manifest, version,
                                           during=(lambda: self._produce_early(named_tensors)) if early else None,
-                                          fuse=fuse)
+                                          fuse=fuse, defer=one)
         except BaseException:
             if self._zc_early is not None:
                 close_source(self._zc_early[1], named_tensors)

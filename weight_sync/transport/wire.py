@@ -42,7 +42,7 @@ __all__ = [
 
 # 2: control messages carry their first 4 KiB inline (one broadcast), ``verify`` in the wire parameters,
 # shm/ipc doorbells over a local socket instead of per-bucket collectives.
-# 3: a zero-copy send() to one receiver may carry its call in the start header (``call_in_start``).
+# 3: send() to one receiver may carry its call in the start header (``call_in_start``).
 PROTOCOL_VERSION = 3
 MAGIC = 0x5753_5943  # "WSYC": a trailer without it was never written by a sender
 TRAILER_FIELDS = ("magic", "seq", "call", "bucket", "status", "payload_bytes", "checksum_hi", "checksum_lo")
@@ -153,10 +153,11 @@ class ControlHeader:
     produce the call's tensors).
     delta (start, delta sync): ``mode`` ('full' records the receivers' delta base, 'delta' applies on
     it), ``base_version``, ``base_fingerprints`` and ``wire`` (see ``transport/delta_sync.py``).
-    call_in_start (start, zero-copy, one receiver): the header is also the update's one call (``call``,
-    ``first``, ``count``, ``then_finish``, ``zero_copy``) and the start has no status exchange of its own:
-    the call's exchange carries the receiver's verdict on the manifest too. With one receiver, no other
-    receiver can have written when it refuses, so this keeps the start's promise.
+    call_in_start (start, ``send()`` to one receiver of a manifest it accepted before): the header is
+    also the update's one call (``call``, ``first``, ``count``, ``num_buckets``, ``then_finish``,
+    ``zero_copy``) and the start has no status exchange of its own: the call's exchange carries the
+    receiver's verdict on the manifest too. With one receiver, no other receiver can have written when it
+    refuses, so this keeps the start's promise.
     """
 
     kind: str
