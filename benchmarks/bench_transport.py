@@ -513,8 +513,9 @@ def _baseline_run(args: argparse.Namespace, argv: list[str], tag: str) -> dict[s
     env = dict(os.environ, PYTHONPATH=f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     subprocess.run([sys.executable, __file__, *rest, "--tag", base_tag], env=env, check=True)
     out = json.loads((RESULTS / f"transport_{base_tag}.json").read_text())
-    for ext in ("json", "md", "png"):
-        (RESULTS / f"transport_{base_tag}.{ext}").unlink(missing_ok=True)  # kept inside our result
+    for name in ("json", "md", "png"):
+        (RESULTS / f"transport_{base_tag}.{name}").unlink(missing_ok=True)  # kept inside our result
+    (RESULTS / f"transport_{base_tag}_phases.png").unlink(missing_ok=True)
     commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True)
     return {"code": str(root), "commit": commit.stdout.strip() or None, "runs": out["runs"]}
 
