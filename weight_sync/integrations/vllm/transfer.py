@@ -225,7 +225,7 @@ def receive_described_call(receiver: WeightReceiver, info: WeightSyncUpdateInfo)
             raise
         return receiver.update_weights()
     receiver._require("open")
-    header = receiver._header("update_weights")
+    header = receiver._next_header("update_weights")  # (the call its start header carried, if any)
     error: BaseException | None = None
     if header.kind == "call":
         try:
