@@ -22,7 +22,6 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
-from operator import itemgetter
 from typing import Any
 
 import torch
@@ -57,6 +56,7 @@ from weight_sync.transport.wire import (
     b64encode,
 )
 from weight_sync.transport.zerocopy import RegionExporter
+from weight_sync.transport.zerocopy_sender import ZeroCopyCalls
 
 __all__ = ["TransferReport", "WeightSender"]
 
@@ -134,16 +134,11 @@ class WeightSender:
         self._packer: BucketPacker | None = None  # the bucket loop (not with zero-copy)
         self._shm_handles: list[Any] = []
         self._links: dict[int, Link] = {}
-        self._zc: RegionExporter | None = None  # zero-copy: the exported storages
-        # send() over zero-copy: (tensors, source iterator, error, table of known regions or None),
-        # produced during the start's status exchange for the call that follows.
-        self._zc_early: tuple[list[torch.Tensor], Any, BaseException | None, list[list[int]] | None] | None = None
-        self._collected_epoch = -1  # the exporter's epoch at the last ipc_collect
+        self._zc: ZeroCopyCalls | None = None  # zero-copy: the exported storages, the call produced early
         self._fused_call = False  # the open update's start header carried its (only) call
         # send() to one receiver over a buffered backend: the open update's start, not yet sent (the
         # update whose manifest it reuses), to go out as its call's header.
         self._deferred_start: int | None = None
-        self._zc_event: Any = None  # zero-copy ipc: recorded once the call's tensors are produced
         self._stats_at_start: dict[str, int] = {}
         # send(): its call announces the finish (ControlHeader.then_finish); the call's exchange records
         # when every receiver committed in it.
@@ -236,11 +231,12 @@ class WeightSender:
             store.set(f"{PREFIX}/doorbell", json.dumps(server.info()))
             if cfg.zero_copy:
                 # No buffers: receivers map the source's own storages, call by call (``zerocopy``).
-                self._zc = RegionExporter(cfg.backend, self.device, list(range(1, self.world_size)))
+                event = torch.cuda.Event(interprocess=True) if cfg.backend == "ipc" else None
+                self._zc = ZeroCopyCalls(RegionExporter(cfg.backend, self.device, list(range(1, self.world_size))),
+                                         event, self.device)
                 store.set(f"{PREFIX}/buffers", "[]")
-                if cfg.backend == "ipc":
-                    self._zc_event = torch.cuda.Event(interprocess=True)
-                    store.set(f"{PREFIX}/events", json.dumps([b64encode(bytes(self._zc_event.ipc_handle()))]))
+                if event is not None:
+                    store.set(f"{PREFIX}/events", json.dumps([b64encode(bytes(event.ipc_handle()))]))
             elif cfg.backend == "shm":
                 self._buffers, self._shm_handles = create_shm_buffers(cfg.shm_dir, cfg.num_buffers, nbytes)
                 store.set(f"{PREFIX}/buffers", _json_list([h.to_dict() for h in self._shm_handles]))
@@ -270,7 +266,7 @@ class WeightSender:
         """Zero-copy only: storages exported and still live ('regions'), exports since connect ('exported')."""
         if self._zc is None:
             return {}
-        return {"regions": len(self._zc), "exported": self._zc.exported}
+        return {"regions": len(self._zc.exporter), "exported": self._zc.exporter.exported}
 
     # ------------------------------------------------------------------ lifecycle
     def _require(self, *states: str) -> None:
@@ -336,7 +332,7 @@ class WeightSender:
             for m in manifest:
                 dtype_to_str(m.dtype)  # every dtype must have a wire name
             if self._zc is not None:
-                self._zc.forget_tables()
+                self._zc.exporter.forget_tables()
         self._seq += 1
         self._manifest, self._version, self._pos, self._call = manifest, version, 0, 0
         self._t_start = time.perf_counter()
@@ -356,7 +352,7 @@ class WeightSender:
             self._store.delete_key(f"{PREFIX}/start/{self._seq - 1}")
         # Zero-copy: storages that died since the last header (an update committed in its call has no
         # finish header to carry them) are released first.
-        releases = self._zc.releases() if self._zc is not None else None
+        releases = self._zc.exporter.releases() if self._zc is not None else None
         if fuse is not None and delta is None and reuse is not None and fuse():
             return self._start_with_call(manifest, version, reuse[2], releases)
         if defer and delta is None and reuse is not None and self._zc is None:
@@ -394,14 +390,12 @@ class WeightSender:
         """The start header carrying the whole call (zero-copy ``send()`` to one receiver of an agreed
         manifest, its tensors produced and tabled already): no start status exchange; the call's
         exchange decides both."""
-        assert self._zc is not None and self._channel is not None and self._zc_early is not None
+        assert self._zc is not None and self._channel is not None and self._zc.early is not None
         n = len(manifest)
-        table = self._zc_early[3]
+        table = self._zc.early[3]
         self._call += 1
-        if self._zc_event is not None:
-            # The source produced the tensors on the caller's stream: the receiver waits for this point.
-            self._zc_event.record(torch.cuda.current_stream(self.device))
-        zero_copy = self._zc.payload((0, n), [], table)
+        self._zc.produced()
+        zero_copy = self._zc.exporter.payload((0, n), [], table)
         zero_copy.update({k: v for k, v in (releases or {}).items() if v})  # (payload released none since)
         header = ControlHeader(kind="start", seq=self._seq, version=version, call_in_start=True, call=self._call,
                                first=0, count=n, then_finish=True, zero_copy=zero_copy, reuse_manifest_of=reuse_of)
@@ -528,7 +522,7 @@ class WeightSender:
             raise_agreed(statuses, "update_weights", self.world_size, local=error)
         except BaseException:
             if self._zc is not None:
-                self._zc.reset()  # a receiver may lack regions: both sides start over
+                self._zc.exporter.reset()  # a receiver may lack regions: both sides start over
             self._state = "idle"
             raise
         self._folded = statuses if self._then_finish and all_folded(statuses) else None
@@ -540,12 +534,12 @@ class WeightSender:
         The call's tensors are held until every receiver reported its loads complete.
         """
         zc, channel = self._zc, self._channel
-        assert zc is not None and channel is not None
+        assert zc is not None and channel is not None and self._manifest is not None
         t0 = time.perf_counter()
         if self._fused_call:
             # The start header carried this call: only its status exchange is left (the receiver's verdict
             # on the manifest, its loads and its folded commit vote).
-            held, self._fused_call, self._zc_early = self._zc_early, False, None  # held until the receiver reported
+            held, self._fused_call, zc.early = zc.early, False, None  # held until the receiver reported
             statuses = channel.exchange_status(status_of(0, "update_weights", error))
             del held
             self._transfer_s += time.perf_counter() - t0
@@ -557,105 +551,20 @@ class WeightSender:
                 raise
             return len(metas)
         self._call += 1
-        early, self._zc_early = self._zc_early, None
-        regions: list[dict[str, Any]] = []
-        table: list[list[int]] | None = None
-        if early is not None:
-            tensors, it, early_error, table = early  # produced while the receivers validated the manifest
-            error = error or early_error
-        else:
-            tensors, it = [], None
-            if error is None:
-                it = iter(named_tensors)
-                tensors, error = self._zero_copy_tensors(it, metas, first)
-        if error is None and table is None:
-            try:
-                regions, table = zc.table(tensors)
-                assert self._manifest is not None
-                if first == 0 and len(metas) == len(self._manifest):
-                    zc.remember(tensors, table)  # the next send() of tensors lying there skips the lookups
-            except (Exception, KeyboardInterrupt) as e:
-                error = e
+        tensors, regions, table, error = zc.call(named_tensors, metas, first,
+                                                 first == 0 and len(metas) == len(self._manifest), error)
         if error is not None:
             log.error("[rank 0] update %r: zero-copy call %d failed: %s", self._version, self._call, error)
-            close_source(it, named_tensors)
-            tensors.clear()
-            # Receivers import what was exported before the failure only to release it with the rest.
-            regions, table = zc.abandon(), None
-        elif self._zc_event is not None:
-            # The source produced the tensors on the caller's stream: receivers wait for this point.
-            self._zc_event.record(torch.cuda.current_stream(self.device))
         header = ControlHeader(kind="call", seq=self._seq, call=self._call, first=first, count=len(metas),
                                then_finish=self._finishes_after(first, len(metas)),
-                               zero_copy=zc.payload((first, len(metas)), regions, table))
+                               zero_copy=zc.exporter.payload((first, len(metas)), regions, table))
         channel.broadcast_bytes(header.to_json().encode(), "update_weights")
         statuses = channel.exchange_status(status_of(0, "update_weights", error))
+        del tensors  # held until every receiver reported its loads complete
         self._transfer_s += time.perf_counter() - t0
         self._pos += len(metas)
         self._settle_call(statuses, error)
         return len(metas)
-
-    def _zero_copy_tensors(self, it: Iterator[tuple[str, torch.Tensor]], metas: tuple[TensorMeta, ...],
-                           first: int) -> tuple[list[torch.Tensor], BaseException | None]:
-        """The call's tensors from the source, checked against the manifest and shareable (the ones
-        produced so far, and the error that stopped the source, if any)."""
-        assert self._zc is not None
-        tensors: list[torch.Tensor] = []
-        source = Checked(it, metas, first)
-        try:
-            for index, meta in enumerate(metas):
-                tensors.append(self._zc.shareable(meta.name, source.next_tensor(index)))
-            source.expect_end()
-        except (Exception, KeyboardInterrupt) as e:
-            return tensors, e
-        return tensors, None
-
-    def _repeat_early(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> bool:
-        """Whether ``send``'s list of (name, tensor) pairs is the last whole call's tensors again (a
-        trainer's parameters, updated in place): the manifest's names, then layouts and pointers in one
-        pass each (``RegionExporter.repeat_rows``). If so the call is ready (``_zc_early``) without a
-        tensor checked or looked up on its own; nothing of the source is consumed either way."""
-        assert self._manifest is not None and self._zc is not None
-        if type(named_tensors) not in (list, tuple) or len(named_tensors) != len(self._manifest):  # type: ignore[arg-type]
-            return False
-        try:
-            pairs: Any = named_tensors
-            if tuple(map(itemgetter(0), pairs)) != self._manifest.names:
-                return False
-            tensors = list(map(itemgetter(1), pairs))
-            table = self._zc.repeat_rows(tensors)
-        except (TypeError, IndexError):
-            return False  # not (name, tensor) pairs: the call checks them one by one and names the problem
-        if table is None:
-            return False
-        self._zc_early = (tensors, None, None, table)
-        return True
-
-    def _produce_early(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> None:
-        """``send`` over zero-copy: produce the call's tensors and look up their table while the receivers
-        validate the manifest (between the start header and its status exchange). Only a table of
-        storages exported already is kept (``known_rows``): nothing is exported before every receiver
-        accepted the manifest. Produced tensors are kept either way, for the call."""
-        assert self._manifest is not None and self._zc is not None
-        if self._repeat_early(named_tensors):
-            return
-        metas = self._manifest.tensors
-        tensors: list[torch.Tensor] = []
-        it: Iterator[tuple[str, torch.Tensor]] | None = None
-        table = None
-        try:
-            if isinstance(named_tensors, Mapping):
-                mapping = named_tensors
-                named_tensors = ((m.name, mapping.get(m.name)) for m in metas)  # type: ignore[misc]
-            it = iter(named_tensors)
-            tensors, error = self._zero_copy_tensors(it, metas, 0)
-            if error is None:
-                table = self._zc.known_rows(tensors)
-                if table is not None:
-                    self._zc.remember(tensors, table)
-        except (Exception, KeyboardInterrupt) as e:  # reported in the call, as a source failing there would be
-            error = e
-        self._zc_early = (tensors, it, error, table)
 
     def finish_weight_update(self) -> TransferReport:
         """Commit on every receiver (all or none report success) and return the transfer report."""
@@ -679,7 +588,8 @@ class WeightSender:
             return self._report([])
         assert self._channel is not None
         # Zero-copy: storages that died during the update (the source's temporaries) are released now.
-        header = ControlHeader(kind="finish", seq=self._seq, zero_copy=self._zc.releases() if self._zc else None)
+        header = ControlHeader(kind="finish", seq=self._seq,
+                               zero_copy=self._zc.exporter.releases() if self._zc else None)
         self._channel.broadcast_bytes(header.to_json().encode(), "finish_weight_update")
         self._state = "idle"
         # One exchange: receivers prepared (every check that can fail) before it and commit after it.
@@ -690,11 +600,11 @@ class WeightSender:
     def _finished(self, statuses: list[RankStatus]) -> TransferReport:
         """The update committed on every receiver (in the finish's exchange or its last call's)."""
         self._state = "idle"
-        if self.config.backend == "ipc" and (self._zc is None or self._zc.epoch != self._collected_epoch):
-            # Free exports whose importers are gone; our buffers stay referenced. Zero-copy: only after
-            # regions came or went (~0.15 ms of host time a call on the H200 host otherwise).
-            torch.cuda.ipc_collect()
-            self._collected_epoch = -1 if self._zc is None else self._zc.epoch
+        if self.config.backend == "ipc":
+            if self._zc is not None:
+                self._zc.collect()  # once regions came or went
+            else:
+                torch.cuda.ipc_collect()  # free exports whose importers are gone; our buffers stay referenced
         return self._report([{k: v for k, v in s.report.items() if k != FOLDED} for s in statuses[1:]])
 
     def _report(self, receivers: list[dict[str, Any]]) -> TransferReport:
@@ -721,16 +631,27 @@ class WeightSender:
         early = self._zc is not None and self._disk is None
         # One receiver: a call ready before the start (the last send's tensors again) rides in its header.
         one = self.world_size == 2 and self._disk is None
-        fuse = (lambda: self._repeat_early(named_tensors)) if early and one else None
+        zc = self._zc
+        fuse: Callable[[], bool] | None = None
+        during: Callable[[], None] | None = None
+        if zc is not None and early:
+            # The call is produced before the start header when it repeats the last one (and then rides
+            # in it, to one receiver), else while the receivers validate the manifest.
+            def during() -> None:
+                assert zc is not None and self._manifest is not None
+                zc.produce(named_tensors, self._manifest)
+
+            def repeat() -> bool:
+                assert zc is not None and self._manifest is not None
+                return zc.repeat(named_tensors, self._manifest)
+
+            fuse = repeat if one else None
         try:
             with self._naming_the_unresponsive():
-                self._start_weight_update(manifest, version,
-                                          during=(lambda: self._produce_early(named_tensors)) if early else None,
-                                          fuse=fuse, defer=one)
+                self._start_weight_update(manifest, version, during=during, fuse=fuse, defer=one)
         except BaseException:
-            if self._zc_early is not None:
-                close_source(self._zc_early[1], named_tensors)
-                self._zc_early = None
+            if zc is not None:
+                zc.drop_early(named_tensors)
             raise
         # The call announces the finish: receivers running the whole update (receive_update) prepare the
         # commit and vote on it in the call's exchange, and when all did, it was the finish's round trip.
