@@ -284,6 +284,7 @@ class WeightReceiver:
         assert self._channel is not None
         self._stats_at_start = dict(self._channel.stats)
         self._seq = header.seq
+        self._pending_call = None  # a call of an earlier update never taken: the sender has moved on
         if header.manifest is not None:
             manifest = Manifest.from_json(header.manifest)
             self._manifests[header.seq] = manifest
