@@ -102,6 +102,17 @@ def test_a_guard_whose_self_test_fails_is_never_used(monkeypatch) -> None:
         sg.guards_available.cache_clear()
 
 
+def test_pointers_are_the_same_only_for_tensors_at_exactly_those_addresses() -> None:
+    srcs = [torch.randn(4), torch.randn(8)]
+    ptrs = [t.data_ptr() for t in srcs]
+    assert same_pointers(srcs, ptrs)
+    srcs[1].add_(1)  # new values, same memory
+    assert same_pointers(srcs, ptrs)
+    assert same_pointers([srcs[0].view(2, 2), srcs[1]], ptrs)  # another view of the same memory
+    assert not same_pointers([srcs[0], srcs[1].clone()], ptrs)
+    assert not same_pointers(srcs[:1], ptrs)
+
+
 def test_launch_tables_are_never_reused_where_pointers_cannot_be_checked() -> None:
     tables = LaunchTables()
     srcs = [torch.randn(4), torch.randn(4)]
@@ -113,7 +124,7 @@ def test_launch_tables_are_never_reused_where_pointers_cannot_be_checked() -> No
 def test_launch_tables_are_reused_only_for_the_same_addresses_on_the_same_stream() -> None:
     device = torch.device("cuda")
     srcs = [torch.randn(4, device=device), torch.randn(8, device=device)]
-    assert same_pointers(srcs, [t.data_ptr() for t in srcs], [0, 1]) is True
+    assert same_pointers(srcs, [t.data_ptr() for t in srcs])
     tables = LaunchTables()
     assert not tables.reusable(srcs)  # nothing kept yet
     tables.keep([t.data_ptr() for t in srcs], ("table",), device)

@@ -10,12 +10,13 @@ host-bound. Two checks torch already runs in C++ for its own hot paths do the sa
   inputs): per tensor the exact Python type, dispatch keys (device type, autograd, inference mode), dtype,
   device index, ``requires_grad``, sizes and strides, against those recorded.
 - :func:`same_pointers`: CUDA graph trees' ``_tensors_data_ptrs_at_indices_equal``: every tensor's data
-  pointer against a list (CUDA builds only).
+  pointer against a list (CUDA builds; a ``data_ptr`` pass elsewhere).
 
 Both are private torch APIs, so neither is trusted blindly: :func:`source_guard` builds a guard only
 after a self-test on this torch (it must accept the recorded tensors and refuse another dtype, shape,
-stride and type) and returns None otherwise, and :func:`same_pointers` answers None where the function is
-missing; callers then run their per-property passes, which give the same verdicts (tests compare them).
+stride and type) and returns None otherwise (callers then run their per-property passes, which give the
+same verdicts: tests compare them), and :func:`same_pointers` reads every pointer where the function is
+missing.
 """
 
 from __future__ import annotations
@@ -95,12 +96,19 @@ def source_guard(tensors: Sequence[torch.Tensor]) -> SourceGuard | None:
 _PTRS_EQUAL = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
 
 
-def same_pointers(tensors: list[Any], ptrs: list[int], indices: list[int]) -> bool | None:
-    """Whether ``tensors[i].data_ptr() == ptrs[i]`` for every ``i`` of ``indices`` (one C++ pass); None where
-    this torch has no such check (CPU builds). Every ``tensors[i]`` must be a tensor."""
+@functools.lru_cache(maxsize=64)
+def _every_index(n: int) -> list[int]:
+    return list(range(n))  # (shared and never mutated: the C++ check only reads it)
+
+
+def same_pointers(tensors: list[Any], ptrs: list[int]) -> bool:
+    """Whether ``tensors[i].data_ptr() == ptrs[i]`` for every ``i`` (as many tensors as pointers, all
+    tensors): one C++ pass where torch has it (CUDA builds), else one ``data_ptr`` pass."""
+    if len(tensors) != len(ptrs):
+        return False
     if _PTRS_EQUAL is None:
-        return None
-    return bool(_PTRS_EQUAL(tensors, ptrs, indices))
+        return list(map(torch.Tensor.data_ptr, tensors)) == ptrs
+    return bool(_PTRS_EQUAL(tensors, ptrs, _every_index(len(ptrs))))
 
 
 class LaunchTables:
@@ -111,15 +119,14 @@ class LaunchTables:
     receiver's imported regions, a bucket buffer. Their launch tables (source pointer, destination,
     sizes per tensor) are then the same bytes as last time: instead of reading every pointer to the host,
     filling a pinned table and copying it to the device, :meth:`reusable` checks the pointers in one C++
-    pass and the kept device tables are launched again. Only where :func:`same_pointers` exists (CUDA),
+    pass and the kept device tables are launched again. Only where that pass is torch's C++ one (CUDA),
     and only on the stream the tables were copied on: stream order then puts that copy before any reuse.
     """
 
-    __slots__ = ("_device", "_indices", "_ptrs", "_stream", "tables")
+    __slots__ = ("_device", "_ptrs", "_stream", "tables")
 
     def __init__(self) -> None:
         self._ptrs: list[int] = []
-        self._indices: list[int] = []
         self._device: torch.device | None = None
         self._stream = 0
         self.tables: Any = None  # what the launch needs besides the sources (device tables, flags)
@@ -128,14 +135,12 @@ class LaunchTables:
         """Whether the kept tables were made for sources at exactly these addresses, on the current stream."""
         return (self.tables is not None and len(srcs) == len(self._ptrs)
                 and torch.cuda.current_stream(self._device).cuda_stream == self._stream
-                and same_pointers(srcs, self._ptrs, self._indices) is True)
+                and same_pointers(srcs, self._ptrs))
 
     def keep(self, ptrs: list[int], tables: Any, device: torch.device) -> None:
         """Keep ``tables``, copied to ``device`` on its current stream for sources at ``ptrs``, for the next
         launch (where pointers can be checked)."""
         if _PTRS_EQUAL is None or device.type != "cuda":
-            return
-        if len(self._indices) != len(ptrs):
-            self._indices = list(range(len(ptrs)))
+            return  # reading every pointer again would cost what building the tables does
         self._ptrs, self.tables, self._device = ptrs, tables, device
         self._stream = torch.cuda.current_stream(device).cuda_stream

@@ -65,12 +65,10 @@ class Baseline:
     tensors: list[torch.Tensor] = field(default_factory=list)
     columns: tuple[tuple[Any, ...], ...] = ()
     # The tensors' type, dtype, device, shape and strides in one C++ check (layers/source_guard.py), with
-    # the data pointers as a list and their indices for torch's one-pass pointer check; None: compared
-    # field by field. Stricter than a signature (it also compares requires_grad and dispatch keys): a
+    # the data pointers as a list for the one-pass pointer check; None: compared field by field. Stricter than a signature (it also compares requires_grad and dispatch keys): a
     # tensor it refuses is decided by the full walk, as any re-check failure is.
     guard: SourceGuard | None = None
     ptrs: list[int] = field(default_factory=list)
-    indices: list[int] = field(default_factory=list)
 
     def release(self) -> None:
         """Drop the references to modules and tensors (the signatures stay)."""
@@ -140,7 +138,6 @@ def take_baseline(model: nn.Module) -> Baseline:
             base.guard = None
         else:
             base.ptrs = list(base.columns[0])
-            base.indices = list(range(len(base.tensors)))
     return base
 
 
@@ -173,8 +170,7 @@ def _unchanged(base: Baseline, skip: tuple[str, ...], model: nn.Module) -> bool:
     if base.guard is not None:
         if not base.guard.check(tensors):
             return False
-        same = same_pointers(tensors, base.ptrs, base.indices)
-        return same if same is not None else list(map(torch.Tensor.data_ptr, tensors)) == base.ptrs
+        return same_pointers(tensors, base.ptrs)
     return all(tuple(map(read, tensors)) == column for read, column in zip(_FIELDS, base.columns, strict=True))
 
 

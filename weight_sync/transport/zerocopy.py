@@ -202,10 +202,7 @@ class RegionExporter:
         guard, ptrs, rows, _ = last
         if not guard.check(tensors):
             return None
-        same = same_pointers(tensors, ptrs, list(range(len(ptrs)))) if self.backend == "ipc" else None
-        if same is None:
-            same = list(map(data_ptr, tensors)) == ptrs
-        return rows if same else None
+        return rows if same_pointers(tensors, ptrs) else None
 
     def remember(self, tensors: list[torch.Tensor], rows: list[list[int]]) -> None:
         """Remember a whole call's tensors (checked against the manifest) and their table for
