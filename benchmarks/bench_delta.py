@@ -49,7 +49,7 @@ def _bf16(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: t.clone() for n, t in trainer_weights(model, torch.bfloat16)}
 
 
-def _scenarios(ckpt: str, seed: int, device: torch.device, adam: bool
+def _scenarios(ckpt: str, seed: int, device: torch.device, adam: bool, densities: tuple[float, ...] = DENSITIES
                ) -> list[tuple[str, dict[str, torch.Tensor], dict[str, torch.Tensor]]]:
     from transformers import AutoModelForCausalLM
 
@@ -74,7 +74,7 @@ def _scenarios(ckpt: str, seed: int, device: torch.device, adam: bool
 
         base = {n: t.to(device, torch.bfloat16) for n, t in CheckpointSource(ckpt)}
     g = torch.Generator(device=device).manual_seed(seed + 1)
-    for d in DENSITIES:
+    for d in densities:
         b = {}
         for n, t in base.items():
             t = t.clone()
@@ -128,7 +128,7 @@ def _sync(spec: dict[str, Any]) -> None:
 def _bench_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     end, _engine = _connect(rank, spec)
     device = torch.device("cuda", 0) if spec["device"] == "cuda" else torch.device("cpu")
-    scenarios = _scenarios(spec["ckpt"], spec["seed"], device, spec["adam"]) if rank == 0 else None
+    scenarios = _scenarios(spec["ckpt"], spec["seed"], device, spec["adam"], spec["densities"]) if rank == 0 else None
     n = spec["num_scenarios"]
     repeats = spec["repeats"]
     if rank != 0:
@@ -325,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="where the engine keeps model-format copies of quantized weights "
                         "(default: pinned on cpu, device on cuda)")
     p.add_argument("--no-adam", action="store_true", help="synthetic densities only (no optimizer steps)")
+    p.add_argument("--densities", default=",".join(f"{d:g}" for d in DENSITIES),
+                   help="synthetic change densities, comma-separated (fewer save memory on large presets)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--bucket-mib", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
@@ -337,13 +339,17 @@ def main(argv: list[str] | None = None) -> int:
     backend = args.backend or ("ipc" if cuda else "gloo")
     delta_base = args.delta_base or ("device" if cuda else "pinned")
     engine_base = args.engine_base or ("device" if cuda else "pinned")
+    densities = tuple(float(d) for d in args.densities.split(","))
     with tempfile.TemporaryDirectory(prefix="ws-bench-delta-") as tmp:
-        ckpt = make_checkpoint(Path(tmp) / "ckpt", preset=args.preset, seed=args.seed, dtype=torch.float32)
+        # fp32 master weights for the optimizer steps; without them the bf16 weights are all that is sent
+        # (half the checkpoint to write and read on a large preset).
+        ckpt = make_checkpoint(Path(tmp) / "ckpt", preset=args.preset, seed=args.seed,
+                               dtype=torch.bfloat16 if args.no_adam else torch.float32)
         spec = {"ckpt": str(ckpt), "quantization": args.quantization, "repeats": args.repeats,
                 "bucket_bytes": args.bucket_mib << 20, "seed": args.seed, "device": args.device,
                 "backend": backend, "delta_base": delta_base, "engine_base": engine_base,
                 "adam": not args.no_adam,
-                "num_scenarios": (0 if args.no_adam else len(LRS)) + len(DENSITIES), "profile": args.profile,
+                "num_scenarios": (0 if args.no_adam else len(LRS)) + len(densities), "densities": densities, "profile": args.profile,
                 "threads": args.threads}
         out = run_distributed(bench_rank, 2, spec, timeout_s=3600)
     rows = out[0]["rows"]

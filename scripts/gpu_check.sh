@@ -107,7 +107,10 @@ for phase in "${phases[@]}"; do
         --steps 1536 --every 512 --sources gloo --repeats 1 --tag h200_gloo ;;
     delta)  # issue 18: delta apply into an fp8_block engine over ipc against its full reload
       step bench_delta 150 python3 benchmarks/bench_delta.py --device cuda --quantization fp8_block \
-        --preset qwen3-0.6b --no-adam --repeats 2 --tag h200_fp8_block ;;
+        --preset qwen3-0.6b --no-adam --repeats 2 --tag h200_fp8_block
+      # The Qwen3-8B shape at the transport's default bucket size (64 MiB); two densities fit its memory.
+      step bench_delta_8b 420 python3 benchmarks/bench_delta.py --device cuda --quantization fp8_block \
+        --preset qwen3-8b --no-adam --densities 0,0.02 --repeats 2 --bucket-mib 64 --tag h200_fp8_block_8b ;;
     peers)  # issue 15.4: pinned host -> one GPU, weight_sync next to checkpoint-engine and the pinned H2D bound
       step bench_peers 560 python3 benchmarks/bench_peers.py --tag h200 --profile ;;
     *) echo "unknown phase $phase"; status=2 ;;

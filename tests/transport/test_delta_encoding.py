@@ -3,6 +3,9 @@ encoding is never larger than sending the tensor plain (plus its small header an
 
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
 import pytest
 import torch
 
@@ -166,21 +169,39 @@ def test_the_cpu_encoder_writes_the_same_bytes_as_the_torch_encoder_cuda_senders
 
 @settings(max_examples=40, deadline=None)
 @random_changes
-def test_a_batch_encoded_with_one_sync_writes_each_tensors_own_bytes(
+def test_a_group_encoded_together_writes_each_tensors_own_bytes_and_moves_every_base(
     dtype: torch.dtype, pattern: str, numel: int, chunk_elems: int, density: float, seed: int
 ) -> None:
-    # CUDA senders encode a group of tensors from per-chunk counts read back together (static-size
-    # nonzeros, no boolean indexing); each tensor's bytes must be what it gets encoded alone.
-    from weight_sync.transport.delta import _encode_torch_many, encode_delta_with_positions
+    # CUDA senders encode a group of tensors laid out chunk-aligned in one buffer, with one read-back
+    # for the whole group; each tensor's bytes must be what it gets encoded alone, and with advance
+    # every base must end up equal to its new tensor.
+    from weight_sync.transport.delta import encode_delta_with_positions
+    from weight_sync.transport.delta_encode_group import encode_group
 
     pairs = [_pair(dtype, pattern, numel, density, seed), _pair(dtype, "random", 3000, 0.2, seed + 7),
-             _pair(dtype, "empty", 0, 0.0, seed), _pair(dtype, "all", 65, 0.0, seed + 3)]
-    ints = _INT[dtype.itemsize]
-    batch = _encode_torch_many([(new.view(ints), base.view(ints), dtype.itemsize) for base, new in pairs], chunk_elems)
-    for (base, new), (enc_t, pos_t) in zip(pairs, batch, strict=True):
+             _pair(dtype, "empty", 0, 0.0, seed), _pair(dtype, "all", 65, 0.0, seed + 3),
+             _pair(dtype, "random", 2 * chunk_elems + 5, 0.6, seed + 11)]
+    bases = [base.clone() for base, _ in pairs]
+    group = encode_group([(new, b) for (_, new), b in zip(pairs, bases)], chunk_elems, advance=True)
+    for (base, new), (enc_g, changed), moved in zip(pairs, group, bases, strict=True):
         enc, pos = encode_delta_with_positions(new, base, chunk_elems=chunk_elems)
-        assert torch.equal(enc, enc_t)
-        assert torch.equal(pos, pos_t)
+        assert torch.equal(enc_g, enc)
+        assert changed == pos.numel()
+        assert torch.equal(moved.view(_INT[dtype.itemsize]), new.view(_INT[dtype.itemsize]))
+
+
+def test_a_group_with_host_bases_moves_only_the_changed_elements_of_each() -> None:
+    # A CUDA sender with a pinned base reads the group's changes back once and writes each base's
+    # share on the host: positions are in the group's chunk-aligned layout, base i from at[i].
+    from weight_sync.transport.delta_encode_group import _scatter_changed
+
+    bases = [torch.zeros(5, dtype=torch.bfloat16), torch.zeros(0, dtype=torch.bfloat16), torch.zeros(3, dtype=torch.bfloat16)]
+    vals = torch.tensor([1.0, 2.0, 3.0], dtype=torch.bfloat16).view(torch.int16).numpy()
+    _scatter_changed(bases, [0, 8, 8], np.array([1, 4, 10]), vals)
+    assert bases[0].tolist() == [0.0, 1.0, 0.0, 0.0, 2.0]
+    assert bases[2].tolist() == [0.0, 0.0, 3.0]
+    with pytest.raises(LayoutMismatchError, match="contiguous"):
+        _scatter_changed([torch.zeros(4, 2).t()], [0], np.array([0]), vals[:1])
 
 
 @settings(max_examples=60, deadline=None)
@@ -311,6 +332,56 @@ def test_a_bucket_decoded_together_gives_each_payloads_own_changes(
     for (enc, n, dt), (pos, vals) in zip(encs, together, strict=True):
         want_pos, want_vals = decode_delta(enc, n, dt)
         assert torch.equal(pos, want_pos) and torch.equal(vals, want_vals)
+
+
+def _same_parse(a: Any, b: Any) -> bool:
+    return ((a.chunk_elems, a.num_chunks, a.n_plain_chunks, a.n_bits, a.n_index)
+            == (b.chunk_elems, b.num_chunks, b.n_plain_chunks, b.n_bits, b.n_index)
+            and torch.equal(a.form, b.form) and torch.equal(a.counts, b.counts)
+            and all(x.data_ptr() == y.data_ptr() and x.numel() == y.numel() and x.dtype == y.dtype
+                    for x, y in zip(a.regions, b.regions, strict=True)))
+
+
+@settings(max_examples=40, deadline=None)
+@random_changes
+def test_a_bucket_parsed_together_gives_each_payload_its_own_parse(
+    dtype: torch.dtype, pattern: str, numel: int, chunk_elems: int, density: float, seed: int
+) -> None:
+    # An engine reads the headers and tables of a bucket's payloads in one numpy pass: every field and
+    # region of each payload must be what parsing it alone gives, other chunk sizes included.
+    from weight_sync.transport.delta import _parse
+    from weight_sync.transport.delta_batch import parse_many
+
+    pairs = [_pair(dtype, pattern, numel, density, seed), _pair(dtype, "random", 3000, 0.04, seed + 1),
+             _pair(dtype, "empty", 0, 0.0, seed), _pair(dtype, "dense", 200, 0.0, seed + 3)]
+    items = [(encode_delta(new, base, chunk_elems=ce), base.numel(), dtype)
+             for (base, new), ce in zip(pairs, [chunk_elems, 1 << 16, chunk_elems, 64])]
+    for got, (enc, n, dt) in zip(parse_many(items), items, strict=True):
+        assert _same_parse(got, _parse(enc, n, dt))
+
+
+@pytest.mark.parametrize("damage", ["magic", "item size", "form", "length", "chunks"])
+def test_a_damaged_header_in_a_bucket_parsed_together_is_refused_by_its_own_message(damage: str) -> None:
+    from weight_sync.transport.delta_batch import parse_many
+
+    good = _pair(torch.float32, "random", 5000, 0.01, 1)
+    base = torch.zeros(100)
+    new = base.clone()
+    new[[3, 40]] = 1.0
+    bad, numel, dtype = encode_delta(new, base).clone(), 100, torch.float32
+    if damage == "magic":
+        bad[0] ^= 1
+    elif damage == "item size":
+        dtype = torch.bfloat16
+    elif damage == "form":
+        bad[16:20] = torch.tensor([7], dtype=torch.int32).view(torch.uint8)
+    elif damage == "length":
+        bad = torch.cat([bad, torch.zeros(8, dtype=torch.uint8)])
+    else:
+        numel = 70_000  # two chunks' worth of elements, a table of one
+    items = [(encode_delta(good[1], good[0]), 5000, torch.float32), (bad, numel, dtype)]
+    with pytest.raises(LayoutMismatchError):
+        parse_many(items)
 
 
 @pytest.mark.parametrize("damage", ["bit", "repeat", "beyond"])

@@ -33,17 +33,18 @@ def _bf16_pairs(specs: list[tuple[int, float]], seed: int) -> list[tuple[torch.T
 
 
 @pytest.mark.gpu
-def test_a_cuda_batch_encodes_to_the_bytes_a_cpu_sender_writes() -> None:
-    from weight_sync.transport.delta import (
-        encode_delta_with_positions,
-        encode_deltas_with_positions,
-    )
+@pytest.mark.parametrize("base_where", ["device", "pinned"])
+def test_a_cuda_group_encodes_to_the_bytes_a_cpu_sender_writes_and_moves_its_bases(base_where: str) -> None:
+    from weight_sync.transport.delta import encode_delta_with_positions, encode_deltas
 
     pairs = _bf16_pairs([(300_000, 0.02), (70_001, 0.5), (10, 0.0), (0, 0.0), (131_072, 1.0)], seed=0)
-    on_gpu = encode_deltas_with_positions([(new.cuda(), base.cuda()) for base, new in pairs])
-    for (base, new), (enc, pos) in zip(pairs, on_gpu, strict=True):
+    pairs.append((torch.randn(1000), torch.randn(1000)))  # another item size: a group of its own
+    bases = [b.clone().cuda() if base_where == "device" else b.clone().pin_memory() for b, _ in pairs]
+    on_gpu = encode_deltas([(new.cuda(), b) for (_, new), b in zip(pairs, bases)], advance=True)
+    for (base, new), (enc, changed), moved in zip(pairs, on_gpu, bases, strict=True):
         want_enc, want_pos = encode_delta_with_positions(new, base)
-        assert torch.equal(enc.cpu(), want_enc) and torch.equal(pos.cpu(), want_pos)
+        assert torch.equal(enc.cpu(), want_enc) and changed == want_pos.numel()
+        assert torch.equal(moved.cpu(), new)
 
 
 @pytest.mark.gpu

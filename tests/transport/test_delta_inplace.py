@@ -21,6 +21,7 @@ from weight_sync.layers.tensors import iter_graph_visible_tensors
 from weight_sync.manifest import Manifest
 from weight_sync.quant import QUANTIZATION_NAMES
 from weight_sync.reload.api import begin_update
+from weight_sync.reload.state import get_state
 from weight_sync.transport.delta import encode_delta
 from weight_sync.transport.delta_sync import DeltaSession, ReceiverDeltaBase
 
@@ -143,3 +144,29 @@ def test_an_aborted_delta_without_rollback_leaves_the_engine_torn_until_a_full_u
     full.finish()
     assert torn_reason(pair["delta"].model) is None
     _PAIRS.pop("fp8_block")
+
+
+def test_deltas_reuse_their_routes_until_a_key_is_planned_again_or_a_tensor_moves(qwen3_a: Path) -> None:
+    # Routing every key costs a walk of the plan per update (hundreds of keys): deltas keep the last
+    # delta's routes, but never across a re-planned key or a moved tensor (a layout may have changed).
+    pair = _pair(qwen3_a, "fp8_block")
+    weights, applier = pair["weights"], pair["base"].applier
+
+    def delta() -> Any:
+        pair["version"] += 1
+        session = DeltaSession(_session(pair["delta"], weights, pair["version"]), pair["base"], "delta")
+        session.load([(n, encode_delta(t, t)) for n, t in weights.items()])  # nothing changed
+        session.finish()
+        return applier._routes
+
+    first = delta()
+    assert first is not None and delta() is first
+    state = get_state(pair["delta"].model)
+    name = next(iter(weights))
+    state.plan.add(state.plan.keys[name])  # planned again (same plan): routes made again
+    replanned = delta()
+    assert replanned is not first and replanned[1] == first[1]
+    norm = pair["delta"].model.model.norm
+    norm.weight.data = norm.weight.data.clone()  # same values, another address
+    assert delta() is not replanned
+    assert pair["base"].last_stats["in_place"] == len(weights)

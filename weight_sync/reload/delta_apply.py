@@ -301,7 +301,7 @@ class InPlaceUpdate:
         self.session = session
         self.mode = mode
         self.state: ModelState = session.state
-        self.routes = plan_routes(self.state, session.plan, session.expected or ())
+        self.routes = applier.routes_for(session, mode)
         self.touched: set[str] = set()
         self._element_snaps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._whole_snaps: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -477,7 +477,8 @@ class InPlaceUpdate:
         they are known; the checksums become the cache's on :meth:`commit`."""
         t0 = time.perf_counter()
         cache = self.applier.checksums if self.mode == "delta" else {}
-        items = [t for _, t in iter_graph_visible_tensors(model) if t.device.type != "meta"]
+        named = [(n, t) for n, t in iter_graph_visible_tensors(model) if t.device.type != "meta"]
+        items = [t for _, t in named]
         known: dict[int, int] = {}
         moved: list[tuple[torch.Tensor, int, torch.Tensor]] = []
         todo = []
@@ -504,7 +505,7 @@ class InPlaceUpdate:
                 known[id(t)] = ((hi << 32) | lo) ^ nbytes
         known.update(zip(map(id, todo), tensor_checksums(todo)))
         self.pending_checksums = {id(t): (t.data_ptr(), t.dtype, tuple(t.shape), known[id(t)]) for t in items}
-        out = fingerprint(model, known)
+        out = fingerprint(model, known, named)
         self.seconds["fingerprint"] += time.perf_counter() - t0
         return out
 
@@ -543,6 +544,25 @@ class DeltaApplier:
         self.bases: dict[tuple[str, str], torch.Tensor] = {}
         self.absmax: dict[tuple[str, str], torch.Tensor] = {}
         self.checksums: dict[int, tuple[int, torch.dtype, tuple[int, ...], int]] = {}
+        # The routes of the last delta update and what they were derived from (see routes_for).
+        self._routes: tuple[tuple[Any, ...], dict[str, tuple[Target, ...] | None]] | None = None
+
+    def routes_for(self, session: Any, mode: str) -> dict[str, tuple[Target, ...] | None]:
+        """Every expected key's route for an update of ``session`` (a copy the update may extend).
+
+        A delta update reuses the last delta's routes while nothing they derive from changed: the same
+        plan at the same generation (no key planned again), the same cached-view epoch (the session
+        bumps it when any graph-visible tensor moved since the last commit) and the same keys. A full
+        update computes them afresh (its layers may be processed for the first time) and drops the
+        cache, as any failure does (:meth:`forget`)."""
+        state, plan, names = session.state, session.plan, session.expected or frozenset()
+        if mode != "delta":
+            self._routes = None
+            return plan_routes(state, plan, names)
+        key = (id(state), id(plan), plan.generation, state.views_epoch, names)
+        if self._routes is None or self._routes[0] != key:
+            self._routes = (key, plan_routes(state, plan, names))
+        return dict(self._routes[1])
 
     @property
     def nbytes(self) -> int:
@@ -573,3 +593,4 @@ class DeltaApplier:
     def forget(self) -> None:
         self.checksums = {}
         self.absmax = {}
+        self._routes = None

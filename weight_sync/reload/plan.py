@@ -107,8 +107,11 @@ class Plan:
     bands: dict[str, bool] = field(default_factory=dict)
     # A key's single weight_loader call -> the key (None where two keys made the same call).
     loader_calls: dict[LoaderCall, str | None] = field(default_factory=dict)
+    # Bumped by every add(): what is derived from the key plans elsewhere (delta routes) is made again.
+    generation: int = 0
 
     def add(self, kp: KeyPlan) -> None:
+        self.generation += 1
         old = self.keys.get(kp.name)
         if old is not None:
             for layer in old.layers:

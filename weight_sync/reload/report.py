@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
+from operator import itemgetter
 from typing import Any
 
+import torch
 from torch import nn
 
 from weight_sync.checksum import tensor_checksums
@@ -70,25 +73,31 @@ class UpdateReport:
         )
 
 
-def fingerprint(model: nn.Module, checksums: Mapping[int, int] | None = None) -> str:
+def fingerprint(model: nn.Module, checksums: Mapping[int, int] | None = None,
+                named: Iterable[tuple[str, torch.Tensor]] | None = None) -> str:
     """A SHA-256 over names, dtypes, shapes and on-device checksums of all graph-visible tensors.
 
     Two models with bitwise-equal kernel tensors under the same names have the same fingerprint; data
     never leaves the device except as one 64-bit checksum per tensor. ``checksums``: checksums already
     computed elsewhere, by tensor ``id`` (an offloaded model's streamed blocks, checksummed where their
-    served bytes are), used in place of reading those tensors.
+    served bytes are), used in place of reading those tensors. ``named``: the model's graph-visible
+    (name, tensor) pairs when the caller already walked it.
     """
     sums = dict(checksums or {})
-    h = hashlib.sha256()
-    items = sorted(
-        ((name, t) for name, t in iter_graph_visible_tensors(model) if t.device.type != "meta"),
-        key=lambda item: item[0],
-    )
+    if named is None:
+        named = iter_graph_visible_tensors(model)
+    items = sorted(((name, t) for name, t in named if t.device.type != "meta"), key=itemgetter(0))
     todo = [t for _, t in items if id(t) not in sums]
     sums.update(zip(map(id, todo), tensor_checksums(todo)))
+    # One update over the concatenation: the same digest as an update per field, at a fraction of
+    # the host time (this runs at the end of every update, over hundreds of tensors).
+    parts = []
     for name, t in items:
-        h.update(name.encode())
-        h.update(dtype_to_str(t.dtype).encode())
-        h.update(repr(tuple(t.shape)).encode())
-        h.update(sums[id(t)].to_bytes(8, "little", signed=False))
-    return h.hexdigest()
+        parts.append(_described(name, t.dtype, tuple(t.shape)))
+        parts.append(sums[id(t)].to_bytes(8, "little", signed=False))
+    return hashlib.sha256(b"".join(parts)).hexdigest()
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _described(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
+    return name.encode() + dtype_to_str(dtype).encode() + repr(shape).encode()

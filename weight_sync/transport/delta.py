@@ -69,7 +69,7 @@ __all__ = [
     "delta_stats",
     "encode_delta",
     "encode_delta_with_positions",
-    "encode_deltas_with_positions",
+    "encode_deltas",
     "head_bytes",
     "raise_failed",
     "read_heads",
@@ -208,26 +208,27 @@ def _chunk_counts(vals: torch.Tensor, old: torch.Tensor, ce: int) -> torch.Tenso
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def encode_deltas_with_positions(
+def encode_deltas(
     pairs: list[tuple[torch.Tensor, torch.Tensor]], *, chunk_elems: int = DEFAULT_CHUNK_ELEMS,
     advance: bool = False,
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """:func:`encode_delta_with_positions` of several ``(new, base)`` pairs, the same bytes; the pairs on
-    one CUDA device are encoded with one device sync for all of them instead of two or more each.
-    ``advance``: every base is moved to its new tensor as well."""
-    out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(pairs)
-    batches: dict[torch.device, list[int]] = {}
+) -> list[tuple[torch.Tensor, int]]:
+    """:func:`encode_delta` of several ``(new, base)`` pairs (the same bytes) with each one's count of
+    changed elements. Pairs on a CUDA device are encoded together per item size with one device sync
+    (``weight_sync.transport.delta_encode_group``); host pairs one by one (the native scan has no
+    launches to save). ``advance``: every base is moved to its new tensor as well."""
+    from weight_sync.transport.delta_encode_group import encode_group
+
+    out: list[tuple[torch.Tensor, int] | None] = [None] * len(pairs)
+    groups: dict[tuple[torch.device, int], list[int]] = {}
     for i, (new, base) in enumerate(pairs):
         if new.device.type == "cpu":
-            out[i] = encode_delta_with_positions(new, base, chunk_elems=chunk_elems, advance=advance)
+            enc, pos = encode_delta_with_positions(new, base, chunk_elems=chunk_elems, advance=advance)
+            out[i] = (enc, pos.numel())
         else:
-            batches.setdefault(new.device, []).append(i)
-    for at in batches.values():
-        views = [(*_int_views(*pairs[i], chunk_elems), pairs[i][0].dtype.itemsize) for i in at]
-        for i, enc in zip(at, _encode_torch_many(views, chunk_elems)):
-            out[i] = enc
-            if advance:
-                copy_changed_(pairs[i][1], pairs[i][0], enc[1])
+            groups.setdefault((new.device, new.dtype.itemsize), []).append(i)
+    for at in groups.values():
+        for i, done in zip(at, encode_group([pairs[i] for i in at], chunk_elems, advance=advance)):
+            out[i] = done
     return [o for o in out if o is not None]
 
 
@@ -240,38 +241,19 @@ def _int_views(new: torch.Tensor, base: torch.Tensor, chunk_elems: int) -> tuple
     return _as_int(new.detach().contiguous()), _as_int(base.detach().contiguous().to(new.device))
 
 
-def _encode_torch_many(pairs: list[tuple[torch.Tensor, torch.Tensor, int]], ce: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """:func:`_encode_torch` of several ``(vals, old, item size)`` on one device with one device sync
-    for all of them: every tensor's per-chunk counts are read back together, and each tensor's
-    positions then come from a static-size nonzero (a second compare pass, cheaper than a sync)."""
-    if not pairs:
-        return []
-    counts = [_chunk_counts(vals, old, ce) for vals, old, _ in pairs]
-    flat = (torch.cat(counts) if len(counts) > 1 else counts[0]).cpu()
-    out, at = [], 0
-    for (vals, old, item), c in zip(pairs, counts):
-        out.append(_encode_torch(vals, old, ce, item, counts=flat[at : at + c.numel()]))
-        at += c.numel()
-    return out
-
-
-def _encode_torch(vals: torch.Tensor, old: torch.Tensor, ce: int, item: int,
-                  counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The encoding of integer views ``vals`` over ``old`` in torch operations, on their device (CUDA;
-    on CPU :func:`~weight_sync.transport.delta_cpu.encode_cpu` writes the same bytes). ``counts``: the changed elements per chunk,
-    already on the host (:func:`_encode_torch_many`); then nothing here waits for the device."""
+def _encode_torch(vals: torch.Tensor, old: torch.Tensor, ce: int, item: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The encoding of integer views ``vals`` over ``old`` in torch operations, on their device (one
+    tensor on CUDA; on CPU :func:`~weight_sync.transport.delta_cpu.encode_cpu` writes the same bytes,
+    groups of CUDA tensors :func:`~weight_sync.transport.delta_encode_group.encode_group`)."""
     numel, dev = vals.numel(), vals.device
     num_chunks = -(-numel // ce)
-    if counts is None:
-        # One compare and one nonzero: comparing 8-byte words first (4 bf16 each) and splitting only
-        # the changed words was measured too: faster at 0.5% density, slower from 2% on, so not kept.
-        pos = _changed_positions(vals, old)  # sorted: element order
-        # Changes per chunk from the sorted positions: a binary search per chunk boundary, no pass
-        # over k. The per-chunk table is tiny (one entry per 64 Ki elements): decided on the host.
-        bounds = torch.arange(num_chunks + 1, dtype=torch.int64, device=dev) * ce
-        counts = torch.searchsorted(pos, bounds).diff().cpu()
-    else:
-        pos = torch.nonzero_static(vals != old, size=int(counts.sum())).reshape(-1)
+    # One compare and one nonzero: comparing 8-byte words first (4 bf16 each) and splitting only
+    # the changed words was measured too: faster at 0.5% density, slower from 2% on, so not kept.
+    pos = _changed_positions(vals, old)  # sorted: element order
+    # Changes per chunk from the sorted positions: a binary search per chunk boundary, no pass
+    # over k. The per-chunk table is tiny (one entry per 64 Ki elements): decided on the host.
+    bounds = torch.arange(num_chunks + 1, dtype=torch.int64, device=dev) * ce
+    counts = torch.searchsorted(pos, bounds).diff().cpu()
     form = torch.from_numpy(_forms(counts.numpy(), ce, numel, item))
     is_bm, is_ix, is_pl = form == FORM_BITMASK, form == FORM_INDEX, form == FORM_PLAIN
     n_bm, n_ix, n_pl = int(is_bm.sum()), int(is_ix.sum()), int(is_pl.sum())

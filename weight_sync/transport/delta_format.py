@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["DEFAULT_CHUNK_ELEMS", "FORM_BITMASK", "FORM_INDEX", "FORM_PLAIN", "FORM_SAME", "MAGIC"]
+__all__ = ["DEFAULT_CHUNK_ELEMS", "FORM_BITMASK", "FORM_INDEX", "FORM_PLAIN", "FORM_SAME", "MAGIC", "forms_of_sizes"]
 
 MAGIC = 0x32445357  # "WSD2" little-endian (WSD1 had int32 offsets for every chunk size)
 FORM_SAME, FORM_BITMASK, FORM_INDEX, FORM_PLAIN = 0, 1, 2, 3
@@ -31,11 +31,17 @@ def _offset_bytes(chunk_elems: int) -> int:
 
 
 def _forms(counts: np.ndarray, chunk_elems: int, numel: int, item: int) -> np.ndarray:
-    """Per chunk the cheapest form (ties go to the simpler one: same < plain < index < bitmask), from
-    the changed counts per chunk (the table is decided on the host, in numpy: it is tiny)."""
+    """Per chunk the cheapest form, from the changed counts per chunk of one tensor of ``numel``
+    elements (the table is decided on the host, in numpy: it is tiny)."""
     sizes = np.full(counts.size, chunk_elems, dtype=np.int64)
     if counts.size:
         sizes[-1] = numel - (counts.size - 1) * chunk_elems
+    return forms_of_sizes(counts, sizes, chunk_elems, item)
+
+
+def forms_of_sizes(counts: np.ndarray, sizes: np.ndarray, chunk_elems: int, item: int) -> np.ndarray:
+    """Per chunk the cheapest form (ties go to the simpler one: same < plain < index < bitmask), from
+    its changed count and its element count (chunks of several tensors at once)."""
     bitmask = chunk_elems // 8 + counts * item
     index = counts * (_offset_bytes(chunk_elems) + item)
     plain = sizes * item
