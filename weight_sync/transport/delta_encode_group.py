@@ -23,6 +23,7 @@ import torch
 
 from weight_sync.errors import ConfigError, LayoutMismatchError
 from weight_sync.reload.lanes import to_device
+from weight_sync.transport.delta import _divmod
 from weight_sync.transport.delta_format import (
     _INT_OF_SIZE,
     FORM_BITMASK,
@@ -182,12 +183,6 @@ def encode_group(pairs: list[tuple[torch.Tensor, torch.Tensor]], chunk_elems: in
 def _flat(t: torch.Tensor, ints: torch.dtype) -> torch.Tensor:
     flat = t.detach().reshape(-1)
     return flat.view(torch.uint8) if t.dtype == torch.bool else flat.view(ints)
-
-
-def _divmod(x: torch.Tensor, ce: int) -> tuple[torch.Tensor, torch.Tensor]:
-    if ce & (ce - 1) == 0:
-        return x >> (ce.bit_length() - 1), x & (ce - 1)
-    return x // ce, x % ce
 
 
 def _copy_plain(out_items: torch.Tensor, staged: torch.Tensor, is_pl: np.ndarray, sizes: np.ndarray,
