@@ -196,18 +196,6 @@ def encode_delta_with_positions(
     return out, pos
 
 
-def _chunk_counts(vals: torch.Tensor, old: torch.Tensor, ce: int) -> torch.Tensor:
-    """Changed elements per chunk (int64, on the device): one compare pass and a sum per chunk."""
-    numel, full = vals.numel(), vals.numel() // ce
-    mask = vals != old
-    parts = [mask[: full * ce].view(full, ce).sum(1)] if full else []
-    if numel > full * ce:
-        parts.append(mask[full * ce :].sum().reshape(1))
-    if not parts:
-        return torch.zeros(0, dtype=torch.int64, device=vals.device)
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
 def encode_deltas(
     pairs: list[tuple[torch.Tensor, torch.Tensor]], *, chunk_elems: int = DEFAULT_CHUNK_ELEMS,
     advance: bool = False,
@@ -235,10 +223,14 @@ def encode_deltas(
 def _int_views(new: torch.Tensor, base: torch.Tensor, chunk_elems: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``new`` and ``base`` (moved to ``new``'s device) as flat integer views, once the arguments of an
     encoding are checked."""
-    if chunk_elems < 8 or chunk_elems % 8 or chunk_elems >= 1 << 31:
-        raise ConfigError(f"chunk_elems must be a positive multiple of 8 below 2**31, got {chunk_elems}")
+    _check_chunk_elems(chunk_elems)
     _check_pair(new, base)
     return _as_int(new.detach().contiguous()), _as_int(base.detach().contiguous().to(new.device))
+
+
+def _check_chunk_elems(chunk_elems: int) -> None:
+    if chunk_elems < 8 or chunk_elems % 8 or chunk_elems >= 1 << 31:
+        raise ConfigError(f"chunk_elems must be a positive multiple of 8 below 2**31, got {chunk_elems}")
 
 
 def _encode_torch(vals: torch.Tensor, old: torch.Tensor, ce: int, item: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,9 +21,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from weight_sync.errors import ConfigError, LayoutMismatchError
+from weight_sync.errors import LayoutMismatchError
 from weight_sync.reload.lanes import to_device
-from weight_sync.transport.delta import _divmod
+from weight_sync.transport.delta import _as_int, _bits, _check_chunk_elems, _check_pair, _divmod
 from weight_sync.transport.delta_format import (
     _INT_OF_SIZE,
     FORM_BITMASK,
@@ -35,16 +35,6 @@ from weight_sync.transport.delta_format import (
 )
 
 __all__ = ["encode_group"]
-
-_BIT_WEIGHTS: dict[torch.device, torch.Tensor] = {}
-
-
-def _bit_weights(dev: torch.device) -> torch.Tensor:
-    t = _BIT_WEIGHTS.get(dev)
-    if t is None:
-        t = _BIT_WEIGHTS[dev] = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=dev)
-    return t
-
 
 def _align8(n: np.ndarray) -> np.ndarray:
     return (n + 7) // 8 * 8
@@ -73,18 +63,13 @@ def encode_group(pairs: list[tuple[torch.Tensor, torch.Tensor]], chunk_elems: in
     """
     if not pairs:
         return []
-    if chunk_elems < 8 or chunk_elems % 8 or chunk_elems >= 1 << 31:
-        raise ConfigError(f"chunk_elems must be a positive multiple of 8 below 2**31, got {chunk_elems}")
+    _check_chunk_elems(chunk_elems)
     dev = pairs[0][0].device
     item = pairs[0][0].dtype.itemsize
     if item not in _INT_OF_SIZE:
         raise LayoutMismatchError(f"delta encoding needs an item size of 1, 2, 4 or 8 bytes, got {pairs[0][0].dtype}")
     for new, base in pairs:
-        if new.dtype != base.dtype or new.shape != base.shape:
-            raise LayoutMismatchError(
-                f"delta base must match the new tensor: expected {tuple(new.shape)} {new.dtype}, "
-                f"got {tuple(base.shape)} {base.dtype}"
-            )
+        _check_pair(new, base)
         if new.device != dev or new.dtype.itemsize != item:
             raise LayoutMismatchError(f"a delta group holds one device and item size: expected {dev}, {item} "
                                       f"bytes, got {new.device}, {new.dtype.itemsize}")
@@ -98,8 +83,8 @@ def encode_group(pairs: list[tuple[torch.Tensor, torch.Tensor]], chunk_elems: in
     # Both versions laid out chunk-aligned; zero padding (equal in both) never reads as a change.
     staged_new = torch.zeros(num_chunks * ce, dtype=ints, device=dev)
     staged_old = torch.zeros(num_chunks * ce, dtype=ints, device=dev)
-    news = [_flat(new, ints) for new, _ in pairs]
-    olds = [_flat(base, ints) for _, base in pairs]
+    news = [_as_int(new.detach()) for new, _ in pairs]
+    olds = [_as_int(base.detach()) for _, base in pairs]
     at = (chunk_start[:-1] * ce).tolist()
     torch._foreach_copy_([staged_new[a : a + n.numel()] for a, n in zip(at, news)], news)
     torch._foreach_copy_([staged_old[a : a + o.numel()] for a, o in zip(at, olds)], olds)
@@ -168,7 +153,7 @@ def encode_group(pairs: list[tuple[torch.Tensor, torch.Tensor]], chunk_elems: in
         bm_chunks = np.flatnonzero(is_bm)
         if bm_chunks.size:
             rows = mask.view(num_chunks, ce)[to_device(torch.from_numpy(bm_chunks), dev)]
-            packed = (rows.view(-1, ce // 8, 8).to(torch.uint8) * _bit_weights(dev)).sum(-1, dtype=torch.uint8)
+            packed = (rows.view(-1, ce // 8, 8).to(torch.uint8) * _bits(dev)).sum(-1, dtype=torch.uint8)
             bits_at = (base_of + r_bits[owner] + _within_tensor(is_bm.astype(np.int64), owner, chunk_start) * (ce // 8))[bm_chunks]
             dst = to_device(torch.from_numpy(bits_at), dev)[:, None] + torch.arange(ce // 8, device=dev)
             out[dst.reshape(-1)] = packed.reshape(-1)
@@ -178,11 +163,6 @@ def encode_group(pairs: list[tuple[torch.Tensor, torch.Tensor]], chunk_elems: in
         _advance(pairs, staged_new, mask if num_changed else None, at, num_changed)
     per_tensor_changed = _per_tensor(counts, chunk_start)
     return [(out[int(s) : int(s + n)], int(k)) for s, n, k in zip(start[:-1], total, per_tensor_changed)]
-
-
-def _flat(t: torch.Tensor, ints: torch.dtype) -> torch.Tensor:
-    flat = t.detach().reshape(-1)
-    return flat.view(torch.uint8) if t.dtype == torch.bool else flat.view(ints)
 
 
 def _copy_plain(out_items: torch.Tensor, staged: torch.Tensor, is_pl: np.ndarray, sizes: np.ndarray,
@@ -230,6 +210,4 @@ def _scatter_changed(bases: list[torch.Tensor], at: list[int], pos: np.ndarray, 
         if hi > lo:
             if not base.is_contiguous():
                 raise LayoutMismatchError(f"delta base must be contiguous, got strides {base.stride()}")
-            flat = base.detach().reshape(-1)
-            flat = flat.view(torch.uint8) if base.dtype == torch.bool else flat.view(_INT_OF_SIZE[base.dtype.itemsize])
-            flat.numpy()[pos[lo:hi] - a] = vals[lo:hi]
+            _as_int(base.detach()).numpy()[pos[lo:hi] - a] = vals[lo:hi]
