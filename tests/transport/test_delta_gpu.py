@@ -66,3 +66,21 @@ def test_a_cuda_bucket_decodes_together_to_each_payloads_changes_and_names_a_bad
     bad[26:28] = bad[24:26]  # offset 40 -> 3: a repeat
     with pytest.raises(LayoutMismatchError, match="repeat"):
         decode_deltas([(items[0][0].cuda(), items[0][1], torch.bfloat16), (bad.cuda(), 100, torch.float32)])
+
+
+@pytest.mark.gpu
+def test_cuda_deltas_written_tensor_by_tensor_equal_the_grouped_writes(qwen3_a: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # scatter_many declining (what it does off Triton) sends every queued write through torch indexing.
+    import weight_sync.reload.delta_apply as delta_apply
+
+    monkeypatch.setattr(delta_apply, "scatter_many", lambda *a, **k: False)
+    assert run_deltas(qwen3_a, "fp8_block", torch.device("cuda"), "device", steps=2) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quantization", [None, "fp8_block"])
+def test_an_aborted_cuda_delta_restores_every_grouped_write(qwen3_a: Path, quantization: str | None) -> None:
+    from tests.transport.test_delta_grouped import abort_restores
+
+    abort_restores(qwen3_a, quantization, torch.device("cuda"))

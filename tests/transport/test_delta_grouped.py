@@ -95,3 +95,34 @@ def test_weights_requantized_whole_after_the_bucket_equal_a_full_reload(
 
     monkeypatch.setattr(delta_apply, "_requantize_whole", rule)
     assert run_deltas(qwen3_a, quantization, torch.device("cpu"), "pinned", steps=3) > 0
+
+
+def abort_restores(ckpt: Path, quantization: str | None, device: torch.device) -> None:
+    """A delta written in place (live scatters, requantized weights) and then aborted with rollback leaves
+    every engine tensor as the last full update left it."""
+    spec = QUANTIZATION_NAMES[quantization] if quantization else None
+    engine = ReferenceEngine.from_checkpoint(ckpt, quantization=spec, device=device)
+    delta_apply.keep_delta_base(engine.model, "device")
+    base = ReceiverDeltaBase()
+
+    def session(weights: dict[str, torch.Tensor], version: int) -> Any:
+        return begin_update(engine.model, Manifest.from_named_tensors(weights.items(), version=version),
+                            version=version, rollback=True)
+
+    old = {n: t.to(device, torch.bfloat16) for n, t in CheckpointSource(ckpt)}
+    first = DeltaSession(session(old, 1), base, "full")
+    first.load(list(old.items()))
+    first.finish()
+    before = _state(engine)
+    new = {n: t.to(device) for n, t in _change({n: t.cpu() for n, t in old.items()}, 2).items()}
+    delta = DeltaSession(session(new, 2), base, "delta")
+    delta.load([(n, encode_delta(new[n], old[n])) for n in new])
+    assert delta._update.num_in_place == len(new)  # every key applied in place
+    assert not _equal(_state(engine), before)  # written in place before the abort
+    delta.abort("the test aborts")
+    assert _equal(_state(engine), before)
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8_block"])
+def test_an_aborted_delta_with_rollback_restores_every_in_place_write(qwen3_a: Path, quantization: str | None) -> None:
+    abort_restores(qwen3_a, quantization, torch.device("cpu"))

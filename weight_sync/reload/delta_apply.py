@@ -55,22 +55,37 @@ from weight_sync.quant.online import OnlineQuantLinearMethod, split_over_group
 from weight_sync.reload.lanes import to_device
 from weight_sync.reload.plan import Plan, contiguous_strides
 from weight_sync.reload.report import fingerprint
+from weight_sync.reload.scatter_many import ScatterWrite, grouped_scatter_available, scatter_many
 from weight_sync.reload.state import LayerInfo, ModelState
 
-__all__ = ["DELTA_BASE_ATTR", "DeltaApplier", "InPlaceUpdate", "Target", "keep_delta_base", "plan_routes"]
+__all__ = ["DEFAULT_BATCH_BYTES", "DELTA_BASE_ATTR", "DELTA_BATCH_ATTR", "DeltaApplier", "InPlaceUpdate", "Target", "keep_delta_base", "plan_routes"]
 
 #: Model attribute naming where the engine keeps the model-format copies of quantized weights.
 DELTA_BASE_ATTR = "ws_delta_base"
+#: Model attribute holding how many bytes of device-resident deltas an engine applies together.
+DELTA_BATCH_ATTR = "ws_delta_batch_bytes"
+#: The default of :func:`keep_delta_base`'s ``batch_bytes``: on the H200 a delta's apply cost ~3 ms of
+#: host time and two device syncs per batch whatever its size (an 8B model's 2% delta arrives in 11
+#: buckets of 64 MiB). The decode's transients are ~30 bytes per changed element of a batch.
+DEFAULT_BATCH_BYTES = 256 << 20
 
 
-def keep_delta_base(model: nn.Module, where: str = "pinned") -> None:
+def keep_delta_base(model: nn.Module, where: str = "pinned", *, batch_bytes: int = DEFAULT_BATCH_BYTES) -> None:
     """Choose where ``model``'s engine keeps the model-format copies delta sync needs for quantized
     layers: ``"pinned"`` (host memory, page-locked when CUDA is there; the default) or ``"device"``
     (the model's device: requantization reads them without a host-to-device copy, at the cost of the
-    quantized layers' weights in full precision on the device). Takes effect at the next full update."""
+    quantized layers' weights in full precision on the device). Takes effect at the next full update.
+
+    batch_bytes: deltas that arrive on a device are copied out of their buckets and applied together
+    once this many bytes of them are queued, or when the update finishes (fewer device syncs and less
+    host time per byte; the copies and the decode's transients, ~30 bytes per changed element, are the
+    memory it costs). 0 applies every bucket as it arrives."""
     if where not in ("pinned", "device"):
         raise ConfigError(f"delta base must be 'pinned' or 'device', got {where!r}")
+    if isinstance(batch_bytes, bool) or not isinstance(batch_bytes, int) or batch_bytes < 0:
+        raise ConfigError(f"delta batch_bytes must be a non-negative int, got {batch_bytes!r}")
     model.__dict__[DELTA_BASE_ATTR] = where
+    model.__dict__[DELTA_BATCH_ATTR] = batch_bytes
 
 _MASK32 = 0xFFFFFFFF
 _PERIOD = 65521  # the checksum's weight period (weight_sync.checksum)
@@ -296,6 +311,9 @@ def _requantize_whole(method: OnlineQuantLinearMethod, base: torch.Tensor, q: to
 class InPlaceUpdate:
     """One update's in-place writes on one engine rank: what they changed, how to undo them."""
 
+    #: Whether host payloads are batched too (:meth:`stage`; tests set it: CPU runs the batching).
+    stage_host = False
+
     def __init__(self, applier: DeltaApplier, session: Any, mode: str) -> None:
         self.applier = applier
         self.session = session
@@ -318,6 +336,20 @@ class InPlaceUpdate:
         self._sum_writes: dict[int, list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
         # (layer, tensor) -> (method, model-format copy, qweight, scale): written, to requantize whole.
         self._whole: dict[tuple[str, str], tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # Writes of one apply_many call queued for one grouped launch per item size (CUDA with Triton,
+        # weight_sync.reload.scatter_many): into live tensors (old values kept, checksums moved) as
+        # (write, live tensor, its written region), and into model-format copies (nothing kept).
+        self._live_queue: dict[int, list[tuple[ScatterWrite, torch.Tensor, torch.Tensor]]] = {}
+        self._copy_queue: dict[int, list[ScatterWrite]] = {}
+        # The grouped launches' checksum moves: per device an int64 [slots, 2] the kernel adds to, and
+        # each live tensor's slot (by id); read back once, by the fingerprint.
+        self._sum_slots: dict[torch.device, torch.Tensor] = {}
+        self._slot_of: dict[int, tuple[torch.device, int]] = {}
+        self._slots_used: dict[torch.device, int] = {}
+        # Device deltas copied out of their buckets, waiting to be applied together (stage()).
+        self._staged: list[tuple[str, torch.Tensor, int, torch.dtype, tuple[Target, ...]]] = []
+        self._staged_bytes = 0
+        self._batch_bytes = int(session.model.__dict__.get(DELTA_BATCH_ATTR, DEFAULT_BATCH_BYTES))
 
     def _base_device(self) -> torch.device:
         where = self.session.model.__dict__.get(DELTA_BASE_ATTR, "pinned")
@@ -342,7 +374,36 @@ class InPlaceUpdate:
             self.applier.absmax.pop((t.layer, t.tensor), None)  # of the old copy: made again at the next delta
             self.recorded.add((t.layer, t.tensor))
 
-    def apply_many(self, items: list[tuple[str, torch.Tensor, int, torch.dtype, tuple[Target, ...]]]) -> None:
+    def stage(self, items: list[tuple[str, torch.Tensor, int, torch.dtype, tuple[Target, ...]]]) -> None:
+        """Queue one call's in-place deltas for :meth:`apply_many` with the next ones (``batch_bytes`` of
+        :func:`keep_delta_base`); host payloads are applied at once (their decode has no launches or
+        device syncs to share). The payloads are copied out of the caller's bucket in one launch on
+        the current stream (the transport reuses the bucket once this call's work is done). A queued key
+        counts as arrived (the session's completeness check runs before the finish applies the rest)."""
+        if not items:
+            return
+        if (items[0][1].device.type == "cpu" and not self.stage_host) or self._batch_bytes <= 0:
+            self.apply_many(items)
+            return
+        # Encodings are 8-byte multiples: every copy keeps the alignment its decode reads in place.
+        copies = torch.cat([payload for _, payload, _, _, _ in items]) if len(items) > 1 else items[0][1].clone()
+        at = 0
+        for name, payload, numel, dtype, targets in items:
+            n = payload.numel()
+            self._staged.append((name, copies[at : at + n], numel, dtype, targets))
+            self.session.mark_applied(name, n)
+            at += n
+        self._staged_bytes += at
+        if self._staged_bytes >= self._batch_bytes:
+            self.apply_staged()
+
+    def apply_staged(self) -> None:
+        """Apply the queued deltas (:meth:`stage`); called when the batch is full and before the finish."""
+        items, self._staged, self._staged_bytes = self._staged, [], 0
+        self.apply_many(items, marked=True)
+
+    def apply_many(self, items: list[tuple[str, torch.Tensor, int, torch.dtype, tuple[Target, ...]]],
+                   marked: bool = False) -> None:
         """Decode the deltas of several tensors (one bucket), check them all, then write them in place.
 
         On CUDA the payloads are decoded together (:func:`~weight_sync.transport.delta_batch.decode_deltas`:
@@ -359,16 +420,19 @@ class InPlaceUpdate:
         t0 = time.perf_counter()
         # Every payload decoded and checked whole before the first write (on a device: together).
         decoded = decode_deltas([(payload, numel, dtype) for _, payload, numel, dtype, _ in items])
+        grouped = grouped_scatter_available(items[0][1].device)
         for (name, payload, _, dtype, targets), (pos, vals) in zip(items, decoded):
             for t in targets:
                 info = self.state.layers[t.layer]
                 idx, v = _select(t, pos, vals)
                 if t.kind == "live":
-                    self._scatter(info, t, idx, v, dtype)
+                    self._scatter(info, t, idx, v, dtype, grouped)
                 else:
-                    self._requantize(info, t, idx, v, dtype)
-            self.session.mark_applied(name, payload.numel())  # applied here, not through load()
+                    self._requantize(info, t, idx, v, dtype, grouped)
+            if not marked:
+                self.session.mark_applied(name, payload.numel())  # applied here, not through load()
             self.num_in_place += 1
+        self._write_queued()  # before flush(): the whole requantization reads the written copies
         self.flush()
         self.seconds["apply"] += time.perf_counter() - t0
 
@@ -395,7 +459,61 @@ class InPlaceUpdate:
         for method, group in by_method.values():
             method.quantize_bands(group)
 
-    def _scatter(self, info: LayerInfo, t: Target, idx: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> None:
+    def _write_queued(self) -> None:
+        """The queued writes of this call, one grouped launch per item size and kind (a launch that
+        cannot take them writes them one by one, as without the queue)."""
+        for size, writes in self._copy_queue.items():
+            if not scatter_many(writes, size):
+                for w in writes:
+                    w.dst.view(-1)[w.pos + w.offset if w.offset else w.pos] = w.vals
+        self._copy_queue.clear()
+        for size, group in self._live_queue.items():
+            writes = [w for w, _, _ in group]
+            dev = writes[0].dst.device
+            old = torch.empty(sum(w.pos.numel() for w in writes), dtype=_INT_OF_SIZE[size], device=dev)
+            slots = [self._slot(live) for _, live, _ in group]
+            if scatter_many(writes, size, old=old, sums=self._sum_slots[dev], slots=slots):
+                if self.session.rollback:
+                    at = 0
+                    for w, _, region in group:
+                        n = w.pos.numel()
+                        self._element_snaps.append((region, w.pos, old[at : at + n]))
+                        at += n
+                continue
+            for w, live, region in group:
+                self._write_live(live, region, w.pos, w.vals, w.offset)
+        self._live_queue.clear()
+
+    def _slot(self, live: torch.Tensor) -> int:
+        """``live``'s row in its device's checksum slots (made, or grown, when new)."""
+        got = self._slot_of.get(id(live))
+        if got is not None:
+            return got[1]
+        dev = live.device
+        slot = self._slots_used.get(dev, 0)
+        self._slots_used[dev] = slot + 1
+        self._slot_of[id(live)] = (dev, slot)
+        sums = self._sum_slots.get(dev)
+        if sums is None or sums.shape[0] <= slot:
+            grown = torch.zeros(max(64, 2 * slot), 2, dtype=torch.int64, device=dev)
+            if sums is not None:
+                grown[: sums.shape[0]] = sums
+            self._sum_slots[dev] = grown
+        return slot
+
+    def _write_live(self, live: torch.Tensor, region: torch.Tensor, idx: torch.Tensor, v: torch.Tensor,
+                    offset: int) -> None:
+        """One write into a live tensor on a device (torch indexing); its checksum move is computed with
+        the bucket's other such writes of its item size (flush)."""
+        size = live.element_size()
+        old = region[idx]
+        region[idx] = v
+        self._sum_writes.setdefault(size, []).append((id(live), (idx + offset) * size, old, v))
+        if self.session.rollback:
+            self._element_snaps.append((region, idx, old))
+
+    def _scatter(self, info: LayerInfo, t: Target, idx: torch.Tensor, v: torch.Tensor, dtype: torch.dtype,
+                 grouped: bool = False) -> None:
         if not idx.numel():
             return  # nothing of this key changed here
         live = _live(info.module, t.tensor)
@@ -420,17 +538,18 @@ class InPlaceUpdate:
                 old_np = r[i]
                 r[i] = new
                 sums = _checksum_change_np((i + t.dst_offset) * size, old_np, new, size)
-            old = torch.from_numpy(old_np)
             self._sum_changes.setdefault(id(live), []).append(torch.from_numpy(sums))
+            if self.session.rollback:
+                self._element_snaps.append((region, idx, torch.from_numpy(old_np)))
+        elif grouped:
+            # Written with the call's other live writes of this item size (_write_queued).
+            flat = _as_int(live.detach().view(-1))
+            self._live_queue.setdefault(size, []).append((ScatterWrite(flat, t.dst_offset, idx, v), live, region))
         else:
-            old = region[idx]
-            region[idx] = v
-            # Its checksum move is computed with the bucket's other writes of this item size (flush).
-            self._sum_writes.setdefault(size, []).append((id(live), (idx + t.dst_offset) * size, old, v))
-        if self.session.rollback:
-            self._element_snaps.append((region, idx, old))
+            self._write_live(live, region, idx, v, t.dst_offset)
 
-    def _requantize(self, info: LayerInfo, t: Target, idx: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> None:
+    def _requantize(self, info: LayerInfo, t: Target, idx: torch.Tensor, v: torch.Tensor, dtype: torch.dtype,
+                    grouped: bool = False) -> None:
         mod = info.module
         base = self.applier.bases.get((info.name, t.tensor))
         if base is None:
@@ -449,14 +568,19 @@ class InPlaceUpdate:
         method = mod.quant_method
         assert isinstance(method, OnlineQuantLinearMethod)  # checked when routed
         key = (info.name, t.tensor)
-        at = idx + t.dst_offset if t.dst_offset else idx
         if key in self._whole or _requantize_whole(method, base, q, idx.numel()):
             # Dense changes on the device: write them into the copy now and requantize it whole in
             # flush(), grouped with the other such weights of the bucket. Bitwise what the tile path
             # gives (both equal quantize(copy)), at a fraction of its launches and without its sync.
             # Once a weight waits here, later keys of it (q, k, v of one fused qkv) wait too: the tile
             # path's absmax state describes the copy as its scales do, which the written changes left.
-            base.view(-1)[at.to(base.device)] = v.view(dtype).to(base.device, base.dtype)
+            if grouped and base.dtype == dtype and base.device == v.device and idx.device == v.device:
+                # Written with the call's other such writes before flush() (_write_queued).
+                self._copy_queue.setdefault(base.element_size(), []).append(
+                    ScatterWrite(_as_int(base.view(-1)), t.dst_offset, idx, v))
+            else:
+                at = idx + t.dst_offset if t.dst_offset else idx
+                base.view(-1)[at.to(base.device)] = v.view(dtype).to(base.device, base.dtype)
             self._whole[key] = (method, base, q.detach(), s.detach())  # flush() drops its absmax state
             self.num_requantized += 1
             self.num_whole += 1
@@ -468,6 +592,7 @@ class InPlaceUpdate:
             absmax = delta_absmax(method, base, s.detach())
             if absmax is not None:
                 self.applier.absmax[key] = absmax
+        at = idx + t.dst_offset if t.dst_offset else idx
         apply_quantized_delta_(method, base, at, v.view(dtype).to(base.dtype), q.detach(), s.detach(),
                                getattr(mod, "tp_group", None), absmax=absmax)
         self.num_requantized += 1
@@ -480,23 +605,33 @@ class InPlaceUpdate:
         named = [(n, t) for n, t in iter_graph_visible_tensors(model) if t.device.type != "meta"]
         items = [t for _, t in named]
         known: dict[int, int] = {}
-        moved: list[tuple[torch.Tensor, int, torch.Tensor]] = []
+        moved: list[tuple[torch.Tensor, int, torch.Tensor | None]] = []
         todo = []
+        # The grouped launches' moves (scatter_many's slots): one read-back per device.
+        slot_rows: dict[int, list[int]] = {}
+        if self._slot_of:
+            rows = {dev: sums.tolist() for dev, sums in self._sum_slots.items()}
+            slot_rows = {tid: rows[dev][slot] for tid, (dev, slot) in self._slot_of.items()}
         for t in items:
             c = cache.get(id(t))
             if c is None or id(t) in self._dirty or c[:3] != (t.data_ptr(), t.dtype, tuple(t.shape)):
                 todo.append(t)
-            elif id(t) in self._sum_changes:
-                moved.append((t, c[3], torch.stack(self._sum_changes[id(t)]).sum(0)))
+            elif id(t) in self._sum_changes or id(t) in slot_rows:
+                listed = self._sum_changes.get(id(t))
+                moved.append((t, c[3], torch.stack(listed).sum(0) if listed else None))
             else:
                 known[id(t)] = c[3]
         if moved:
             # One read-back per update and device (each .to("cpu") of its own would be a device sync).
             sums = [[0, 0]] * len(moved)
-            for dev in {m[2].device for m in moved}:
-                at = [i for i, m in enumerate(moved) if m[2].device == dev]
-                for i, pair in zip(at, torch.stack([moved[i][2] for i in at]).tolist()):
+            for dev in {m[2].device for m in moved if m[2] is not None}:
+                at = [i for i, m in enumerate(moved) if m[2] is not None and m[2].device == dev]
+                for i, pair in zip(at, torch.stack([moved[i][2] for i in at]).tolist()):  # type: ignore[misc]
                     sums[i] = pair
+            for i, (t, _, _) in enumerate(moved):
+                extra = slot_rows.get(id(t))
+                if extra is not None:
+                    sums[i] = [sums[i][0] + extra[0], sums[i][1] + extra[1]]
             for (t, value, _), (d_plain, d_weighted) in zip(moved, sums):
                 nbytes = t.numel() * t.element_size()
                 halves = value ^ nbytes
@@ -519,6 +654,7 @@ class InPlaceUpdate:
         """Undo this update's in-place writes (rollback) or mark their layers torn; drop the caches."""
         self.applier.checksums = {}
         self.applier.absmax = {}  # they moved with the model-format copies, which the undo leaves written
+        self._staged, self._staged_bytes = [], 0  # never applied: nothing of them to undo
         if not self.touched:
             return
         if self.session.rollback:

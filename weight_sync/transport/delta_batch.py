@@ -215,17 +215,18 @@ def parse_many(items: list[tuple[torch.Tensor, int, torch.dtype]]) -> list[_Pars
     payload_bytes = np.array([t.numel() for t, _, _ in items], dtype=np.int64)
     usable &= (region_at[:, 4] == payload_bytes) & (lengths.min(1) >= 0)
     usable &= np.array([t.dtype == torch.uint8 and t.dim() == 1 for t, _, _ in items], dtype=bool)
-    for i, (payload, n, dtype) in enumerate(items):
-        if not usable[i]:
+    # Python lists for the per-payload loop: indexing numpy scalars costs more than the rest of it.
+    forms_t, counts_t = torch.from_numpy(form), torch.from_numpy(counts)
+    ends = region_at[:, :4] + lengths
+    rows = zip(usable.tolist(), region_at.tolist(), ends.tolist(), chunk_at.tolist(), chunk_at[1:].tolist(),
+               ce.tolist(), nc.tolist(), per[:, FORM_PLAIN].tolist(), n_bits.tolist(), n_index.tolist())
+    for i, ((payload, n, dtype), (ok, a, e, lo, hi, ce_i, nc_i, plain, bits, index)) in enumerate(zip(items, rows)):
+        if not ok:
             out[i] = _parse(payload, n, dtype, heads[i])
             continue
-        a = region_at[i].tolist()
         int_dtype = _INT_OF_SIZE[dtype.itemsize] if dtype != torch.bool else torch.uint8
-        lo, hi = int(chunk_at[i]), int(chunk_at[i + 1])
-        out[i] = _Parsed(int(ce[i]), int(nc[i]), torch.from_numpy(form[lo:hi]), torch.from_numpy(counts[lo:hi]),
-                         (payload[a[0] : a[0] + int(lengths[i, 0])],
-                          payload[a[1] : a[1] + int(lengths[i, 1])],
-                          payload[a[2] : a[2] + int(lengths[i, 2])].view(int_dtype),
-                          payload[a[3] : a[3] + int(lengths[i, 3])].view(int_dtype)),
-                         payload, int(per[i, FORM_PLAIN]), int(n_bits[i]), int(n_index[i]))
+        out[i] = _Parsed(ce_i, nc_i, forms_t[lo:hi], counts_t[lo:hi],
+                         (payload[a[0] : e[0]], payload[a[1] : e[1]], payload[a[2] : e[2]].view(int_dtype),
+                          payload[a[3] : e[3]].view(int_dtype)),
+                         payload, plain, bits, index)
     return [p for p in out if p is not None]

@@ -393,8 +393,9 @@ class DeltaSession:
                     update.record(name, t, targets)
                 self._layouts[name] = (t.dtype, tuple(t.shape))
                 through.append((name, t))
-            # The call's in-place deltas together: decoded and checked as one batch, then written.
-            update.apply_many(in_place)
+            # The call's in-place deltas together: decoded and checked as one batch, then written (on a
+            # device, with the next calls' deltas up to the batch size, at the latest in prepare()).
+            update.stage(in_place)
             object.__setattr__(self, "_through", self._through + len(through))
             return self._inner.load(through) if through else None
         except BaseException as e:
@@ -408,6 +409,7 @@ class DeltaSession:
     def prepare(self) -> Any:
         """The two-phase finish's first half (everything that can fail); the base moves only on commit."""
         try:
+            self._update.apply_staged()  # the session's prepare checks every key arrived
             out = self._inner.prepare()
             if self._want_fp:
                 object.__setattr__(self, "_fp", self._update.fingerprint(self._inner.model))
