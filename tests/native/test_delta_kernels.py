@@ -12,7 +12,7 @@ import pytest
 
 from weight_sync import native
 from weight_sync.errors import LayoutMismatchError
-from weight_sync.reload.delta_apply import _checksum_change_np
+from weight_sync.reload.delta_checksum import checksum_change_np as _checksum_change_np
 
 INTS = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 

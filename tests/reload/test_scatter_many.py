@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from weight_sync.reload.delta_apply import checksum_changes
+from weight_sync.reload.delta_checksum import checksum_changes
 from weight_sync.reload.scatter_many import ScatterWrite, grouped_scatter_available, scatter_many
 
 _INT = {1: torch.int8, 2: torch.int16, 4: torch.int32}

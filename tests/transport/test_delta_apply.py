@@ -11,12 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from weight_sync.checksum import tensor_checksum
-from weight_sync.reload.delta_apply import (
-    _MASK32,
-    _checksum_change_np,
-    checksum_change,
-    checksum_changes,
-)
+from weight_sync.reload.delta_checksum import MASK32 as _MASK32
+from weight_sync.reload.delta_checksum import checksum_change, checksum_changes
+from weight_sync.reload.delta_checksum import checksum_change_np as _checksum_change_np
 
 # Every test here runs with the native CPU kernels and with their numpy twins (tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("cpu_delta_kernels")

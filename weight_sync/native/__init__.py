@@ -186,7 +186,7 @@ def scatter(dst: np.ndarray, pos: np.ndarray, vals: np.ndarray, byte_base: int) 
     """Write ``vals`` at ``pos`` into ``dst`` (flat, contiguous, one integer dtype; every position is
     checked to lie inside ``dst`` before the first write): returns the overwritten values and the int64
     ``[plain, weighted]`` checksum move of the tensor ``dst`` starts ``byte_base`` bytes into
-    (``delta_apply._checksum_change_np``'s numbers)."""
+    (``delta_checksum.checksum_change_np``'s numbers)."""
     lib = _need(library())
     if vals.dtype != dst.dtype or vals.size != pos.size:
         # Bytes are written as they are: a dtype conversion here would change values, not move them.

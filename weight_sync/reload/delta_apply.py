@@ -5,7 +5,7 @@ Delta sync's engine side (``weight_sync.transport.delta_sync`` drives it; the wi
 ``weight_sync.transport.delta``). The plan already says where every checkpoint element lands: a
 :class:`~weight_sync.reload.plan.CopyOp` copies a (row-strided) slice of the checkpoint tensor into a
 contiguous run of a layer tensor. A key whose copies all have that shape gets a *route* of
-:class:`Target` s, one per copy:
+:class:`~weight_sync.reload.delta_routes.Target` s, one per copy (``weight_sync.reload.delta_routes``):
 
 - ``live``: the destination is a live tensor that is its own model format (a direct layer's tensor, or
   a quantized layer's bias, which processing leaves as loaded): the changed values are scattered into
@@ -26,21 +26,24 @@ elements, and host copies of requantized kernel tensors, taken before their firs
 written layers are marked torn, as the session does for its own writes.
 
 Checksums: the fingerprint's per-tensor checksum (``weight_sync.checksum``) is two sums of 32-bit words,
-so a scattered change moves it by ``(new - old)`` of the words it touches: a delta update checksums only
-its changed elements (and fully only the kernel tensors it requantized). The cached checksums describe
+so a scattered change moves it by ``(new - old)`` of the words it touches
+(``weight_sync.reload.delta_checksum``): a delta update checksums only its changed elements (and fully
+only the kernel tensors it requantized). The cached checksums describe
 the bytes the last committed update left; like the delta base itself, they assume nothing else writes
 the engine's weights between updates (any update that is not a delta drops them).
+
+On a device, a delta's writes go out in grouped launches (``weight_sync.reload.scatter_many``: one per
+item size for the live tensors, one for the model-format copies), and the deltas of several buckets
+are applied together (:func:`keep_delta_base`'s ``batch_bytes``): a bucket of a dense model holds
+hundreds of tensors, and per-tensor launches and per-bucket device syncs, not the device, set the
+pace of the apply.
 """
 
 from __future__ import annotations
 
-import math
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -52,13 +55,17 @@ from weight_sync.quant.delta import apply_quantized_delta_, delta_absmax
 from weight_sync.quant.fp8 import Fp8LinearMethod
 from weight_sync.quant.int8 import Int8LinearMethod
 from weight_sync.quant.online import OnlineQuantLinearMethod, split_over_group
-from weight_sync.reload.lanes import to_device
-from weight_sync.reload.plan import Plan, contiguous_strides
+from weight_sync.reload.delta_checksum import (
+    MASK32,
+    checksum_change_np,
+    checksum_changes,
+)
+from weight_sync.reload.delta_routes import Target, key_targets, live_tensor, plan_routes, select
 from weight_sync.reload.report import fingerprint
 from weight_sync.reload.scatter_many import ScatterWrite, grouped_scatter_available, scatter_many
 from weight_sync.reload.state import LayerInfo, ModelState
 
-__all__ = ["DEFAULT_BATCH_BYTES", "DELTA_BASE_ATTR", "DELTA_BATCH_ATTR", "DeltaApplier", "InPlaceUpdate", "Target", "keep_delta_base", "plan_routes"]
+__all__ = ["DEFAULT_BATCH_BYTES", "DELTA_BASE_ATTR", "DELTA_BATCH_ATTR", "DeltaApplier", "InPlaceUpdate", "keep_delta_base"]
 
 #: Model attribute naming where the engine keeps the model-format copies of quantized weights.
 DELTA_BASE_ATTR = "ws_delta_base"
@@ -87,201 +94,11 @@ def keep_delta_base(model: nn.Module, where: str = "pinned", *, batch_bytes: int
     model.__dict__[DELTA_BASE_ATTR] = where
     model.__dict__[DELTA_BATCH_ATTR] = batch_bytes
 
-_MASK32 = 0xFFFFFFFF
-_PERIOD = 65521  # the checksum's weight period (weight_sync.checksum)
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-@dataclass(frozen=True, slots=True)
-class Target:
-    """Where one copy of a checkpoint tensor lands in place.
-
-    The copy reads ``rows`` x ``cols`` elements of the (contiguous) checkpoint tensor starting at
-    ``src_offset`` with ``src_row_stride`` elements between rows, and writes them as one contiguous run
-    at element ``dst_offset`` of the destination (relative to the live tensor's start, or of the
-    model-format copy).
-    """
-
-    layer: str
-    tensor: str
-    kind: str  # 'live' or 'quant' (module docstring)
-    src_offset: int
-    rows: int
-    cols: int
-    src_row_stride: int
-    dst_offset: int
-    whole: bool  # the copy reads the whole checkpoint tensor as it is
-
-    @property
-    def numel(self) -> int:
-        return self.rows * self.cols
-
-
-def _live(mod: nn.Module, name: str) -> torch.Tensor | None:
-    t: torch.Tensor | None = mod._parameters.get(name)
-    if t is None:
-        t = mod._buffers.get(name)
-    return t
-
-
-def _usable(t: torch.Tensor | None) -> bool:
-    return t is not None and t.device.type != "meta" and t.is_contiguous() and t.dtype.itemsize in _INT_OF_SIZE
-
-
-def _kind(info: LayerInfo, tensor: str) -> str | None:
-    """How a copy into ``info``'s ``tensor`` is applied in place, or None (the session path)."""
-    mod = info.module
-    live = _live(mod, tensor)
-    if info.direct:
-        return "live" if _usable(live) else None
-    if info.unit_processor is not None or not info.processed:
-        return None
-    method = getattr(mod, "quant_method", None)
-    rec = info.records.get(tensor)
-    if not isinstance(method, OnlineQuantLinearMethod) or rec is None:
-        return None
-    if tensor == "weight":
-        q, s = _live(mod, "weight"), _live(mod, "weight_scale")
-        ok = (q is not None and s is not None and len(rec.shape) == 2 and tuple(q.shape) == tuple(rec.shape)
-              and tuple(rec.stride) == contiguous_strides(tuple(rec.shape)))
-        return "quant" if ok else None
-    # Online quantization replaces the weight only: the layer's other tensors stay as loaded.
-    if _usable(live) and live is not None and live.dtype == rec.dtype and tuple(live.shape) == tuple(rec.shape):
-        return "live"
-    return None
-
-
-def _key_targets(state: ModelState, plan: Plan, name: str) -> tuple[Target, ...] | None:
-    kp = plan.keys.get(name)
-    if kp is None or kp.mode != "copy" or not kp.ops:
-        return None
-    total = math.prod(kp.shape)
-    out = []
-    for op in kp.ops:
-        info = state.layers.get(op.layer)
-        if info is None or tuple(op.dst_size) != tuple(op.src_size):
-            return None
-        size = tuple(op.src_size)
-        if tuple(op.dst_stride) != contiguous_strides(size):
-            return None
-        # The source: contiguous, or the rows of a wider tensor (a column shard).
-        if tuple(op.src_stride) == contiguous_strides(size):
-            rows, cols, row_stride = 1, math.prod(size), math.prod(size)
-        elif len(size) == 2 and op.src_stride[1] == 1 and op.src_stride[0] >= size[1]:
-            rows, cols, row_stride = size[0], size[1], op.src_stride[0]
-        else:
-            return None
-        kind = _kind(info, op.tensor)
-        if kind is None:
-            return None
-        whole = op.src_offset == 0 and rows * cols == total and row_stride == cols
-        out.append(Target(op.layer, op.tensor, kind, op.src_offset, rows, cols, row_stride, op.dst_offset, whole))
-    return tuple(out)
-
-
-def plan_routes(state: ModelState, plan: Plan, names: Iterable[str]) -> dict[str, tuple[Target, ...] | None]:
-    """Every key's in-place route (None: the session path), for the keys of one update."""
-    routes = {name: _key_targets(state, plan, name) for name in names}
-    # A destination two keys write (tied weights, overlapping copies) may hold the other key's bytes:
-    # it is no base for either key's delta.
-    spans: dict[tuple[str, str], list[tuple[int, int, str]]] = {}
-    for name, targets in routes.items():
-        for t in targets or ():
-            spans.setdefault((t.layer, t.tensor), []).append((t.dst_offset, t.dst_offset + t.numel, name))
-    for items in spans.values():
-        items.sort()
-        end, owner = -1, ""
-        for lo, hi, name in items:
-            if lo < end:
-                routes[name] = routes[owner] = None
-            if hi > end:
-                end, owner = hi, name
-    # The session processes a layer only from all of its keys: one key on the session path takes the
-    # layer's other keys with it (repeated, since such a key may reach a further processed layer).
-    changed = True
-    while changed:
-        changed = False
-        for name in [n for n, r in routes.items() if r is None]:
-            kp = plan.keys.get(name)
-            for layer in kp.layers if kp is not None else ():
-                info = state.layers.get(layer)
-                if info is None or info.direct:
-                    continue
-                for other in plan.layer_keys.get(layer, ()):
-                    if routes.get(other) is not None:
-                        routes[other] = None
-                        changed = True
-    return routes
-
-
-def _select(t: Target, pos: torch.Tensor, vals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The changes that fall in ``t``'s copy, as element indices inside its destination run."""
-    if t.whole:
-        return pos, vals
-    q = pos - t.src_offset
-    if t.rows == 1:
-        keep, at = (q >= 0) & (q < t.cols), q
-    else:
-        r, c = q // t.src_row_stride, q % t.src_row_stride
-        keep, at = (q >= 0) & (r < t.rows) & (c < t.cols), r * t.cols + c
-    # One nonzero for both selections (on CUDA each boolean index is a device sync).
-    sel = keep.nonzero().view(-1)
-    return at.index_select(0, sel), vals.index_select(0, sel)
 
 
 def _as_int(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == torch.bool else t.view(_INT_OF_SIZE[t.dtype.itemsize])
-
-
-def checksum_change(byte_pos: torch.Tensor, old: torch.Tensor, new: torch.Tensor, itemsize: int) -> torch.Tensor:
-    """int64 ``[plain, weighted]``: how writing ``new`` over ``old`` (integer views, one element each at
-    byte offset ``byte_pos`` of a tensor) moves that tensor's two checksum sums, mod 2**32."""
-    return checksum_changes([(byte_pos, old, new)], itemsize)[0]
-
-
-def checksum_changes(writes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], itemsize: int) -> torch.Tensor:
-    """:func:`checksum_change` of several ``(byte_pos, old, new)`` writes of one item size (one device),
-    as int64 rows ``[plain, weighted]``: one set of launches for all of them (a bucket's direct tensors)."""
-    dev = writes[0][0].device
-    sizes = [w[0].numel() for w in writes]
-    byte_pos, old, new = (torch.cat([w[k] for w in writes]) if len(writes) > 1 else writes[0][k] for k in range(3))
-    if itemsize == 8:
-        o, n = old.to(torch.int64), new.to(torch.int64)
-        # Two words per element: low halves first, then high halves (each write's run once in each).
-        d = torch.cat([(n & _MASK32) - (o & _MASK32), ((n >> 32) & _MASK32) - ((o >> 32) & _MASK32)])
-        words = torch.cat([byte_pos >> 2, (byte_pos >> 2) + 1])
-        sizes = sizes + sizes
-    else:
-        mask = (1 << (8 * itemsize)) - 1
-        d = (new.to(torch.int64) & mask) - (old.to(torch.int64) & mask)
-        if itemsize < 4:
-            d = d << ((byte_pos & 3) * 8)  # little-endian: the element's bytes inside its word
-        words = byte_pos >> 2
-    d = d & _MASK32  # each term mod 2**32: sums of up to 2**31 terms fit int64
-    weighted = (d * (words % _PERIOD + 1)) & _MASK32
-    terms = torch.stack([d, weighted], 1)
-    if len(writes) == 1:
-        return terms.sum(0, keepdim=True)
-    seg = torch.arange(len(writes), device=dev).repeat(2 if itemsize == 8 else 1)
-    seg = torch.repeat_interleave(seg, to_device(torch.tensor(sizes), dev), output_size=d.numel())
-    return torch.zeros(len(writes), 2, dtype=torch.int64, device=dev).index_add_(0, seg, terms)
-
-
-def _checksum_change_np(byte_pos: np.ndarray, old: np.ndarray, new: np.ndarray, itemsize: int) -> np.ndarray:
-    """:func:`checksum_change` in numpy (CPU): the same arithmetic, an int64 array ``[plain, weighted]``."""
-    if itemsize == 8:
-        o, n = old.astype(np.int64), new.astype(np.int64)
-        d = np.concatenate([(n & _MASK32) - (o & _MASK32), ((n >> 32) & _MASK32) - ((o >> 32) & _MASK32)])
-        words = np.concatenate([byte_pos >> 2, (byte_pos >> 2) + 1])
-    else:
-        mask = (1 << (8 * itemsize)) - 1
-        d = (new.astype(np.int64) & mask) - (old.astype(np.int64) & mask)
-        if itemsize < 4:
-            d = d << ((byte_pos & 3) * 8)
-        words = byte_pos >> 2
-    d &= _MASK32
-    weighted = (d * (words % _PERIOD + 1)) & _MASK32
-    return np.array([d.sum(), weighted.sum()], dtype=np.int64)
 
 
 def _reduces(mod: nn.Module) -> bool:
@@ -357,7 +174,7 @@ class InPlaceUpdate:
 
     def route(self, name: str) -> tuple[Target, ...] | None:
         if name not in self.routes:  # a key the manifest did not list (the session refuses it)
-            self.routes[name] = _key_targets(self.state, self.session.plan, name)
+            self.routes[name] = key_targets(self.state, self.session.plan, name)
         return self.routes[name]
 
     def record(self, name: str, tensor: torch.Tensor, targets: tuple[Target, ...]) -> None:
@@ -424,7 +241,7 @@ class InPlaceUpdate:
         for (name, payload, _, dtype, targets), (pos, vals) in zip(items, decoded):
             for t in targets:
                 info = self.state.layers[t.layer]
-                idx, v = _select(t, pos, vals)
+                idx, v = select(t, pos, vals)
                 if t.kind == "live":
                     self._scatter(info, t, idx, v, dtype, grouped)
                 else:
@@ -516,7 +333,7 @@ class InPlaceUpdate:
                  grouped: bool = False) -> None:
         if not idx.numel():
             return  # nothing of this key changed here
-        live = _live(info.module, t.tensor)
+        live = live_tensor(info.module, t.tensor)
         assert live is not None  # routed only to existing live tensors
         region = _as_int(live.detach().view(-1)[t.dst_offset : t.dst_offset + t.numel])
         idx = idx.to(region.device)
@@ -537,7 +354,7 @@ class InPlaceUpdate:
             else:
                 old_np = r[i]
                 r[i] = new
-                sums = _checksum_change_np((i + t.dst_offset) * size, old_np, new, size)
+                sums = checksum_change_np((i + t.dst_offset) * size, old_np, new, size)
             self._sum_changes.setdefault(id(live), []).append(torch.from_numpy(sums))
             if self.session.rollback:
                 self._element_snaps.append((region, idx, torch.from_numpy(old_np)))
@@ -557,7 +374,7 @@ class InPlaceUpdate:
                 f"{info.name}.{t.tensor}: a delta needs the model-format copy recorded by the last full "
                 "update, found none"
             )
-        q, s = _live(mod, "weight"), _live(mod, "weight_scale")
+        q, s = live_tensor(mod, "weight"), live_tensor(mod, "weight_scale")
         assert q is not None and s is not None  # checked when routed
         if not idx.numel() and not _reduces(mod):
             return  # nothing of this key changed, and no peer waits on a scale reduction of it
@@ -635,8 +452,8 @@ class InPlaceUpdate:
             for (t, value, _), (d_plain, d_weighted) in zip(moved, sums):
                 nbytes = t.numel() * t.element_size()
                 halves = value ^ nbytes
-                hi = ((halves >> 32) + d_plain) & _MASK32
-                lo = ((halves & _MASK32) + d_weighted) & _MASK32
+                hi = ((halves >> 32) + d_plain) & MASK32
+                lo = ((halves & MASK32) + d_weighted) & MASK32
                 known[id(t)] = ((hi << 32) | lo) ^ nbytes
         known.update(zip(map(id, todo), tensor_checksums(todo)))
         self.pending_checksums = {id(t): (t.data_ptr(), t.dtype, tuple(t.shape), known[id(t)]) for t in items}

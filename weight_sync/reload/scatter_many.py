@@ -12,7 +12,7 @@ old values, count, element offset, checksum slot), each row at most ``_CHUNK`` e
 and one Triton program per row reads the positions and values, and - for writes into live tensors -
 reads the old values, stores them (for rollback), adds the checksum move of its elements to its
 tensor's slot with two atomic adds, then stores the new values. The checksum arithmetic is
-:func:`weight_sync.reload.delta_apply.checksum_changes`' (the fingerprint's two 32-bit word sums, each
+:func:`weight_sync.reload.delta_checksum.checksum_changes`' (the fingerprint's two 32-bit word sums, each
 term reduced mod 2**32), so the slots hold what that function sums; integer addition commutes, so the
 result does not depend on the order the programs run in. Positions inside one launch are distinct
 (a key's positions increase; two keys never share a destination, see ``plan_routes``), so neither do
@@ -70,7 +70,7 @@ def scatter_many(writes: list[ScatterWrite], itemsize: int, *, old: torch.Tensor
     With ``old`` (an integer tensor of ``sum(w.pos.numel())`` elements of ``itemsize``), the values each
     write overwrote go there, write after write in list order; with ``sums`` (int64 ``[slots, 2]``) and
     ``slots`` (one per write), each write's checksum move ``[plain, weighted]`` (mod 2**32 per term, as
-    :func:`~weight_sync.reload.delta_apply.checksum_changes`) is added to its slot's row. The launch is
+    :func:`~weight_sync.reload.delta_checksum.checksum_changes`) is added to its slot's row. The launch is
     queued on the current stream: the tensors must stay alive until it ran (stream order). It cannot
     when the device is not CUDA with Triton (``interpret``: the CPU tests, under TRITON_INTERPRET=1), the
     item size is not 1, 2 or 4, or any write is not contiguous on that device at that item size.
@@ -144,7 +144,7 @@ def _kernel() -> Any:
             if KEEP:
                 o = tl.load(dst + p, mask=ok, other=0)
                 tl.store(old + j, o, mask=ok)
-                # The checksum move of this element (delta_apply.checksum_changes): its word's term,
+                # The checksum move of this element (delta_checksum.checksum_changes): its word's term,
                 # the element's bytes placed inside the little-endian word, each term mod 2**32.
                 bits = (1 << (8 * ITEM)) - 1
                 d = (v.to(tl.int64) & bits) - (o.to(tl.int64) & bits)
