@@ -102,3 +102,35 @@ def test_a_path_outside_the_naming_scheme_is_refused() -> None:
     with pytest.raises(TransportError, match="not a weight_sync socket path"):
         connect_doorbell({"path": "/tmp/../etc/x.sock", "token": "t"}, 1, {}, 1.0)
     assert socket.AF_UNIX  # Unix sockets are what the shm/ipc backends need
+
+
+def test_each_receiver_opens_a_doorbell_and_a_control_link_in_any_order(tmp_path: Path) -> None:
+    from weight_sync.transport.doorbell import CONTROL, DOORBELL
+
+    server = DoorbellServer(str(tmp_path), backlog=4)
+    opened: dict = {}
+
+    def connect(rank: int, roles: tuple[str, ...]) -> None:
+        for role in roles:
+            hello = {"ok": True} if role == DOORBELL else {"role": CONTROL}
+            opened[(rank, role)] = connect_doorbell(server.info(), rank, hello, 5.0)
+
+    threads = [threading.Thread(target=connect, args=(1, (DOORBELL, CONTROL))),
+               threading.Thread(target=connect, args=(2, (CONTROL, DOORBELL)))]
+    for t in threads:
+        t.start()
+    try:
+        by_role, hellos = server.accept_roles([1, 2], (DOORBELL, CONTROL), 5.0)
+    finally:
+        for t in threads:
+            t.join()
+        server.close()
+    assert sorted(hellos) == [1, 2] and all(h["ok"] for h in hellos.values())  # the doorbell's hellos
+    deadline = Deadline(5.0)
+    for rank in (1, 2):
+        by_role[CONTROL][rank].send_bytes(b"header %d" % rank, deadline, "test")
+        assert opened[(rank, CONTROL)].recv_bytes(deadline, "test") == b"header %d" % rank
+        opened[(rank, CONTROL)].send_bytes(b"", deadline, "test")
+        assert by_role[CONTROL][rank].recv_bytes(deadline, "test") == b""
+        by_role[DOORBELL][rank].send((rank,) * 8, deadline, "test")
+        assert opened[(rank, DOORBELL)].recv(deadline, "test") == (rank,) * 8

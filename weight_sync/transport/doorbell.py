@@ -13,11 +13,18 @@ every rank in lockstep, ~100 us each on loopback plus polling. A Unix stream soc
 - turns a dead peer into an immediate EOF instead of a timeout;
 - lets records queue: neither side waits for the other except where a buffer must be reused.
 
+Each receiver opens a second link, its *control* link (hello ``role: "control"``): after the connect
+exchange the control messages of every update (start and call headers, status exchanges) travel there
+as length-prefixed messages instead of gloo collectives (``Channel.use_links``), with the same wake-up,
+ordering and EOF properties; two sockets rather than one keep each reader's stream to one kind of
+message.
+
 Setup (once per connection): the sender listens on a socket file with a random name in its shm
 directory (mode 0600) and publishes the path and a random token in the rendezvous store; each receiver
-connects and sends a JSON hello (rank, token, the outcome of its own connect); the sender checks the
-peer's uid (SO_PEERCRED) and the token, then unlinks the file. Records are fixed int64 words, the hello
-is JSON: nothing is pickled.
+connects twice and sends a JSON hello on each (rank, token, role, the outcome of its own connect); the
+sender checks the peer's uid (SO_PEERCRED) and the token, then unlinks the file. Records are fixed int64
+words, messages raw bytes (JSON headers and status records, parsed as the gloo path parses them), the
+hello JSON: nothing is pickled.
 """
 
 from __future__ import annotations
@@ -39,13 +46,16 @@ from weight_sync.errors import TransportError, TransportTimeout
 from weight_sync.transport.group import Deadline
 from weight_sync.transport.wire import RECORD_WORDS, decode_json
 
-__all__ = ["DoorbellServer", "Link", "connect_doorbell"]
+__all__ = ["CONTROL", "DOORBELL", "DoorbellServer", "Link", "connect_doorbell"]
 
 log = logging.getLogger(__name__)
 
 RECORD = struct.Struct(f"<{RECORD_WORDS}q")
 _LENGTH = struct.Struct("<q")
 _MAX_HELLO_BYTES = 1 << 20
+_MAX_MESSAGE_BYTES = 1 << 31
+#: Link roles a receiver opens: the data plane's records (READY / RELEASE) and the control messages.
+DOORBELL, CONTROL = "doorbell", "control"
 _NAME = re.compile(r"^weight_sync-[0-9a-f]{16}\.sock$")
 _SUN_PATH_MAX = 107
 
@@ -126,6 +136,23 @@ class Link:
         """Wait up to ``timeout_s`` for bytes (or EOF) on the link."""
         return bool(select.select([self.sock], [], [], timeout_s)[0])
 
+    # ------------------------------------------------------------------ messages (control links)
+    def send_bytes(self, data: bytes, deadline: Deadline, phase: str) -> None:
+        """One length-prefixed message (a control header or status record)."""
+        self._send(_LENGTH.pack(len(data)) + data, deadline, phase)
+
+    def recv_bytes(self, deadline: Deadline, phase: str) -> bytes:
+        """The next length-prefixed message (:meth:`send_bytes`)."""
+        head = bytearray(_LENGTH.size)
+        self._fill(head, 0, True, deadline, phase)
+        (n,) = _LENGTH.unpack(head)
+        if not 0 <= n <= _MAX_MESSAGE_BYTES:
+            raise TransportError(f"{phase}: {self.peer} announced a {n}-byte message")
+        body = bytearray(n)
+        if n:
+            self._fill(body, 0, True, deadline, phase)
+        return bytes(body)
+
     # ------------------------------------------------------------------ JSON (connect only)
     def send_json(self, d: dict[str, Any], deadline: Deadline, phase: str) -> None:
         body = json.dumps(d).encode()
@@ -181,14 +208,26 @@ class DoorbellServer:
 
     def accept(self, ranks: list[int], timeout_s: float) -> tuple[dict[int, Link], dict[int, dict[str, Any]]]:
         """Accept one link per rank in ``ranks``; returns the links and the hellos, by rank."""
+        links, hellos = self.accept_roles(ranks, (DOORBELL,), timeout_s)
+        return links[DOORBELL], hellos
+
+    def accept_roles(self, ranks: list[int], roles: tuple[str, ...], timeout_s: float
+                     ) -> tuple[dict[str, dict[int, Link]], dict[int, dict[str, Any]]]:
+        """Accept one link per rank in ``ranks`` and role in ``roles`` (the hello's ``role``, default the
+        doorbell's); returns the links by role and rank, and the hellos of the first role, by rank."""
         deadline = Deadline(timeout_s)
-        links: dict[int, Link] = {}
+        by_role: dict[str, dict[int, Link]] = {role: {} for role in roles}
         hellos: dict[int, dict[str, Any]] = {}
+        want = len(ranks) * len(roles)
+
+        def count() -> int:
+            return sum(len(v) for v in by_role.values())
+
         try:
-            while len(links) < len(ranks):
+            while count() < want:
                 if not select.select([self.sock], [], [], deadline.remaining())[0]:
                     if deadline.expired():
-                        missing = sorted(set(ranks) - set(links))
+                        missing = sorted({r for role in roles for r in ranks if r not in by_role[role]})
                         raise TransportTimeout(
                             f"connect: receivers {missing} did not open their doorbell link within {timeout_s:.1f} s"
                         )
@@ -209,19 +248,23 @@ class DoorbellServer:
                     log.warning("doorbell: a connection sent no valid hello: %s", e)
                     link.close()
                     continue
-                rank = hello.get("rank")
-                if hello.get("token") != self.token or rank not in ranks or rank in links:
-                    log.warning("doorbell: refused a hello for rank %r (bad token, unknown or repeated rank)", rank)
+                rank, role = hello.get("rank"), hello.get("role", DOORBELL)
+                links = by_role.get(role)
+                if hello.get("token") != self.token or rank not in ranks or links is None or rank in links:
+                    log.warning("doorbell: refused a hello for rank %r, role %r (bad token, unknown or repeated "
+                                "rank or role)", rank, role)
                     link.close()
                     continue
                 link.peer = f"receiver rank {rank}"
                 links[rank] = link
-                hellos[rank] = hello
+                if role == roles[0]:
+                    hellos[rank] = hello
         except BaseException:
-            for link in links.values():
-                link.close()
+            for links in by_role.values():
+                for link in links.values():
+                    link.close()
             raise
-        return links, hellos
+        return by_role, hellos
 
     def close(self) -> None:
         with contextlib.suppress(FileNotFoundError):

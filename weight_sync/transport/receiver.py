@@ -151,6 +151,8 @@ class WeightReceiver:
         error = open_plane(self._link, rollback=bool(self.session_options["rollback"]))
         statuses = self._link.channel.exchange_status(status_of(self.rank, "connect", error))
         raise_agreed(statuses, "connect", params.world_size, local=error)
+        if self._link.control is not None:
+            self._link.channel.use_links({0: self._link.control})  # as the sender does, after the exchange
         # From here on the sender can tell this rank's death (or SIGSTOP) from a slow peer, and name it.
         self._heartbeat = Heartbeat(self.address, self.rank, params.timeout_s)
         self._state = "idle"

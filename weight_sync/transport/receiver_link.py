@@ -37,7 +37,7 @@ from weight_sync.transport.buffers import (
 )
 from weight_sync.transport.checks import BucketChecks
 from weight_sync.transport.consumer import BucketConsumer
-from weight_sync.transport.doorbell import Link, connect_doorbell
+from weight_sync.transport.doorbell import CONTROL, Link, connect_doorbell
 from weight_sync.transport.group import Channel, Deadline, make_group, poll, warm_up
 from weight_sync.transport.layout import LayoutCache
 from weight_sync.transport.planes import BroadcastReceiverPlane, SharedReceiverPlane
@@ -75,6 +75,7 @@ class ReceiverLink:
     buffers: list[torch.Tensor] = field(default_factory=list)
     consumer: BucketConsumer | None = None  # the bucket loop (not with zero-copy)
     doorbell: Link | None = None
+    control: Link | None = None  # shm / ipc: the control messages' link (Channel.use_links after connect)
     zc: RegionImporter | None = None  # zero-copy: the sender's storages, imported once
     zc_event: Any = None  # zero-copy ipc: the sender's "tensors produced" event
     events: list[Any] | None = None  # ipc: the sender's packing events, one per buffer
@@ -154,9 +155,10 @@ class ReceiverLink:
     def close(self) -> None:
         """Release buffers, imports and groups; the caller has drained the device first."""
         self.plane = None
-        if self.doorbell is not None:
-            self.doorbell.close()
-            self.doorbell = None
+        for end in (self.doorbell, self.control):
+            if end is not None:
+                end.close()
+        self.doorbell = self.control = None
         self.consumer = None  # its views of the buffers and its staging go with them
         self.buffers = []  # drops the single import of each IPC buffer (its reference is released)
         if self.zc is not None:
@@ -218,6 +220,8 @@ def open_plane(link: ReceiverLink, *, rollback: bool) -> BaseException | None:
             outcome = {"ok": error is None, "error": None if error is None else f"{type(error).__name__}: {error}"}
             link.doorbell = connect_doorbell(info, rank, outcome, params.timeout_s)
             channel.on_fail(link.doorbell.close)
+            link.control = connect_doorbell(info, rank, {"role": CONTROL}, params.timeout_s)
+            channel.on_fail(link.control.close)
         except Exception as e:
             error = error or e
         link.plane = SharedReceiverPlane(channel, link.doorbell, link.buffers, shim, link.events)

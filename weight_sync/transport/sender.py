@@ -39,7 +39,7 @@ from weight_sync.transport.buffers import (
 from weight_sync.transport.config import ALIGN_BYTES, TransportConfig
 from weight_sync.transport.delta_sync import DeltaSender, wire_manifest
 from weight_sync.transport.disk import DiskWriter
-from weight_sync.transport.doorbell import DoorbellServer, Link
+from weight_sync.transport.doorbell import CONTROL, DOORBELL, DoorbellServer, Link
 from weight_sync.transport.group import Channel, host_store, make_group, warm_up
 from weight_sync.transport.layout import LayoutCache, check_block_order
 from weight_sync.transport.liveness import unresponsive_ranks
@@ -134,6 +134,7 @@ class WeightSender:
         self._packer: BucketPacker | None = None  # the bucket loop (not with zero-copy)
         self._shm_handles: list[Any] = []
         self._links: dict[int, Link] = {}
+        self._control: dict[int, Link] = {}  # shm / ipc: each receiver's control link (Channel.use_links)
         self._zc: ZeroCopyCalls | None = None  # zero-copy: the exported storages, the call produced early
         self._fused_call = False  # the open update's start header carried its (only) call
         # send() to one receiver over a buffered backend: the open update's start, not yet sent (the
@@ -213,6 +214,8 @@ class WeightSender:
             # Every receiver has mapped the files (or failed): the names are no longer needed.
             unlink_shm_buffers(self._shm_handles)
         raise_agreed(statuses, "connect", self.world_size)
+        if self._control:
+            self._channel.use_links(self._control)  # control messages over the sockets from here on
         if self._plane is not None and self._zc is None:
             self._packer = BucketPacker(self._plane, self._buffers, self._channel, self.shim, self.device,
                                         cfg.checksum)
@@ -225,7 +228,8 @@ class WeightSender:
         doorbell link. Returns this rank's connect status."""
         cfg = self.config
         assert self._channel is not None
-        server = DoorbellServer(cfg.shm_dir, backlog=self.num_receivers)
+        # Two links per receiver (doorbell, control); a connect finding the backlog full fails at once.
+        server = DoorbellServer(cfg.shm_dir, backlog=2 * self.num_receivers)
         events: list[Any] | None = None
         try:
             store.set(f"{PREFIX}/doorbell", json.dumps(server.info()))
@@ -248,12 +252,13 @@ class WeightSender:
                 # Recorded after each packing; receivers' compute streams wait on them (no host sync here).
                 events = [torch.cuda.Event(interprocess=True) for _ in self._buffers]
                 store.set(f"{PREFIX}/events", json.dumps([b64encode(bytes(e.ipc_handle())) for e in events]))
-            self._links, hellos = server.accept(list(range(1, self.world_size)), cfg.timeout_s)
+            by_role, hellos = server.accept_roles(list(range(1, self.world_size)), (DOORBELL, CONTROL), cfg.timeout_s)
+            self._links, self._control = by_role[DOORBELL], by_role[CONTROL]
         except Exception as e:
             return status_of(0, "connect", e)
         finally:
             server.close()  # unlinks the socket file: every receiver is connected (or never will be)
-        for link in self._links.values():
+        for link in (*self._links.values(), *self._control.values()):
             self._channel.on_fail(link.close)
         self._plane = SharedSenderPlane(self._channel, self._links, self._buffers, self.shim, events)
         failed = {r: h.get("error") for r, h in hellos.items() if not h.get("ok", False)}
@@ -676,9 +681,9 @@ class WeightSender:
         self._zc = None  # receivers release their imports when they close
         self._packer = None  # its checksum intermediates go with the buffers
         self._buffers = []
-        for link in self._links.values():
+        for link in (*self._links.values(), *self._control.values()):
             link.close()
-        self._links = {}
+        self._links, self._control = {}, {}
         if self._channel is not None:
             self._channel.close()
             self._channel = None
