@@ -28,6 +28,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,10 +51,12 @@ def _bf16(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _scenarios(ckpt: str, seed: int, device: torch.device, adam: bool, densities: tuple[float, ...] = DENSITIES
-               ) -> list[tuple[str, dict[str, torch.Tensor], dict[str, torch.Tensor]]]:
+               ) -> Iterator[tuple[str, dict[str, torch.Tensor], dict[str, torch.Tensor]]]:
+    """(name, base weights, new weights) per scenario, made one at a time: only the current scenario's new
+    weights live next to the base (an 8B model's versions do not all fit one 80 GB GPU at once)."""
     from transformers import AutoModelForCausalLM
 
-    out = []
+    base = None
     for lr in LRS if adam else ():
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).to(device)
@@ -65,11 +68,12 @@ def _scenarios(ckpt: str, seed: int, device: torch.device, adam: bool, densities
             model(tokens, labels=tokens).loss.backward()
             opt.step()
             opt.zero_grad()
-        out.append((f"adam lr={lr:g}", a, _bf16(model)))
+        b = _bf16(model)
         del model, opt
-    if out:
-        base = out[0][1]
-    else:
+        base = a if base is None else base
+        yield f"adam lr={lr:g}", a, b
+        del a, b
+    if base is None:
         from trainers import CheckpointSource
 
         base = {n: t.to(device, torch.bfloat16) for n, t in CheckpointSource(ckpt)}
@@ -81,8 +85,8 @@ def _scenarios(ckpt: str, seed: int, device: torch.device, adam: bool, densities
             mask = torch.rand(t.shape, generator=g, device=device) < d
             t[mask] = (t.float() + 1e-2 + t.float().abs() * 0.1).to(t.dtype)[mask]  # moves every masked bf16 value
             b[n] = t
-        out.append((f"synthetic {d:.1%}", base, b))
-    return out
+        yield f"synthetic {d:.1%}", base, b
+        del b
 
 
 def bench_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
@@ -140,11 +144,13 @@ def _bench_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
                             "mode": stats.get("mode"), "seconds": stats.get("seconds", {})})
         end.close()
         return {"updates": updates}
-    assert scenarios is not None and len(scenarios) == n
+    assert scenarios is not None
     rows = []
+    num_tensors = 0
     version = 0
     for name, a, b in scenarios:
         manifest = Manifest.from_named_tensors(a.items())
+        num_tensors = len(a)
         version += 1
         end.send(a.items(), manifest, version=version)
         delta_s, delta_transfer_s, full_s, plain_s, stats, fp_pairs = [], [], [], [], [], []
@@ -192,8 +198,10 @@ def _bench_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
             "compare_bound_s": bound_s, "bound_ratio": bound_s / statistics.median(plain_s),
             "fingerprints_equal": all(x == y for x, y in fp_pairs),
         })
+        del a, b  # before the next scenario's weights are made
     end.close()
-    return {"rows": rows, "num_tensors": len(scenarios[0][1])}
+    assert len(rows) == n, (len(rows), n)
+    return {"rows": rows, "num_tensors": num_tensors}
 
 
 def _compare_bound_s(spec: dict[str, Any], a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
