@@ -19,14 +19,18 @@ named either; the failure then names every receiver, as the wait itself does.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
-from weight_sync.transport.group import join_store
+from weight_sync.errors import TransportError, TransportTimeout
+from weight_sync.transport.group import Channel, join_store
+from weight_sync.transport.wire import Hello
 
-__all__ = ["Heartbeat", "heartbeat_interval_s", "unresponsive_ranks"]
+__all__ = ["Heartbeat", "heartbeat_interval_s", "naming_unresponsive", "unresponsive_ranks"]
 
 log = logging.getLogger(__name__)
 
@@ -102,3 +106,29 @@ def unresponsive_ranks(store: Any, ranks: list[int], timeout_s: float) -> tuple[
     except Exception as e:
         log.warning("[rank 0] cannot read the receivers' heartbeats: %s", e)
         return [], window_s
+
+
+@contextlib.contextmanager
+def naming_unresponsive(channel: Channel | None, store: Any, peers: list[Hello], timeout_s: float) -> Iterator[None]:
+    """Turn a communication failure of the wrapped call into a timeout naming the receivers that are gone.
+
+    A collective one receiver never joins fails the same way whichever receiver it is (a timeout, or
+    a socket error naming an address). When this call broke the channel, the receivers' heartbeats
+    tell which processes stopped running (``peers[r - 1]`` is rank r); those are named, and the error
+    is a ``TransportTimeout`` however the wait ended: for the caller a dead engine and a stopped one are
+    the same, a peer that will not answer within the timeout.
+    """
+    was_broken = channel is None or channel.broken is not None
+    try:
+        yield
+    except TransportError as e:
+        if was_broken or channel is None or channel.broken is None or store is None:
+            raise  # an agreed failure (the channel is fine), or one already diagnosed
+        gone, window_s = unresponsive_ranks(store, list(range(1, len(peers) + 1)), timeout_s)
+        if not gone:
+            raise
+        who = ", ".join(f"receiver {peers[r - 1].describe()}" for r in gone)
+        raise TransportTimeout(
+            f"{e}; {who}: no heartbeat within {window_s:.1f} s (the process is dead or stopped, or it "
+            "closed its transport)"
+        ) from e

@@ -16,35 +16,30 @@ the transport: every rank raises at once and a new connection is needed; the sen
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
 import torch
 
 from weight_sync.checksum import prepare_checksum
-from weight_sync.errors import ManifestError, TransportError, TransportTimeout
+from weight_sync.errors import ManifestError, TransportError
 from weight_sync.layers.streams import device_shim
 from weight_sync.manifest import Manifest, TensorMeta, dtype_to_str
-from weight_sync.transport.buffers import (
-    allocate_buffers,
-    create_shm_buffers,
-    export_ipc_buffer,
-    unlink_shm_buffers,
-)
+from weight_sync.transport.buffers import allocate_buffers, unlink_shm_buffers
 from weight_sync.transport.config import ALIGN_BYTES, TransportConfig
 from weight_sync.transport.delta_sync import DeltaSender, wire_manifest
 from weight_sync.transport.disk import DiskWriter
-from weight_sync.transport.doorbell import CONTROL, DOORBELL, DoorbellServer, Link
+from weight_sync.transport.doorbell import Link
 from weight_sync.transport.group import Channel, host_store, make_group, warm_up
 from weight_sync.transport.layout import LayoutCache, check_block_order
-from weight_sync.transport.liveness import unresponsive_ranks
+from weight_sync.transport.liveness import naming_unresponsive
 from weight_sync.transport.packer import BucketPacker
 from weight_sync.transport.planes import BroadcastSenderPlane, SharedSenderPlane
+from weight_sync.transport.sender_link import SharedSide, TransferReport, share_with_receivers
 from weight_sync.transport.source import Checked, close_source
 from weight_sync.transport.status import FOLDED, all_folded, raise_agreed, status_of
 from weight_sync.transport.wire import (
@@ -53,9 +48,7 @@ from weight_sync.transport.wire import (
     Hello,
     RankStatus,
     WireParams,
-    b64encode,
 )
-from weight_sync.transport.zerocopy import RegionExporter
 from weight_sync.transport.zerocopy_sender import ZeroCopyCalls
 
 __all__ = ["TransferReport", "WeightSender"]
@@ -63,40 +56,6 @@ __all__ = ["TransferReport", "WeightSender"]
 log = logging.getLogger(__name__)
 
 PREFIX = "weight_sync"
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class TransferReport:
-    """What one update moved: bytes, buckets, time, and every receiver's update report (by rank)."""
-
-    version: Any
-    backend: str
-    num_tensors: int
-    num_bytes: int
-    num_buckets: int
-    seconds: float
-    # The update_weights calls until their last bucket was handed over: the last broadcast completed
-    # (nccl/gloo), every receiver released every bucket (buffered shm/ipc), or every receiver loaded and
-    # reported (zero-copy). The call's status exchange is outside it except for zero-copy.
-    transfer_seconds: float
-    # The update_weights calls as their caller saw them, entry to return: transfer_seconds plus, for
-    # nccl/gloo/buffered links, the receivers' check and load of the last bucket and the status exchange.
-    call_seconds: float = 0.0
-    receivers: list[dict[str, Any]] = field(default_factory=list)
-    host_waits: dict[str, int] = field(default_factory=dict)
-    """The sender's host waits during the update, by kind (see ``Channel.stats``); each receiver's are in
-    ``receivers[i]['transport']``."""
-    delta: dict[str, Any] = field(default_factory=dict)
-    """Delta sync: 'mode' ('delta' or 'full' and why), changed elements, wire and plain bytes."""
-
-    @property
-    def gbps(self) -> float:
-        """Payload GB/s over the update_weights calls (1 GB = 1e9 bytes)."""
-        return self.num_bytes / self.transfer_seconds / 1e9 if self.transfer_seconds > 0 else 0.0
-
-    @property
-    def fingerprints(self) -> list[str | None]:
-        return [r.get("fingerprint") for r in self.receivers]
 
 
 class WeightSender:
@@ -224,44 +183,22 @@ class WeightSender:
         return self.peers
 
     def _connect_shared(self, store: Any, nbytes: int) -> RankStatus:
-        """shm / ipc: share the buffers (and, ipc, one packing event per buffer) and accept every receiver's
-        doorbell link. Returns this rank's connect status."""
-        cfg = self.config
+        """shm / ipc: share the buffers (or the zero-copy exporter) and accept every receiver's links
+        (:func:`share_with_receivers`). Returns this rank's connect status."""
         assert self._channel is not None
-        # Two links per receiver (doorbell, control); a connect finding the backlog full fails at once.
-        server = DoorbellServer(cfg.shm_dir, backlog=2 * self.num_receivers)
-        events: list[Any] | None = None
+        side = SharedSide()
         try:
-            store.set(f"{PREFIX}/doorbell", json.dumps(server.info()))
-            if cfg.zero_copy:
-                # No buffers: receivers map the source's own storages, call by call (``zerocopy``).
-                event = torch.cuda.Event(interprocess=True) if cfg.backend == "ipc" else None
-                self._zc = ZeroCopyCalls(RegionExporter(cfg.backend, self.device, list(range(1, self.world_size))),
-                                         event, self.device)
-                store.set(f"{PREFIX}/buffers", "[]")
-                if event is not None:
-                    store.set(f"{PREFIX}/events", json.dumps([b64encode(bytes(event.ipc_handle()))]))
-            elif cfg.backend == "shm":
-                self._buffers, self._shm_handles = create_shm_buffers(cfg.shm_dir, cfg.num_buffers, nbytes)
-                store.set(f"{PREFIX}/buffers", _json_list([h.to_dict() for h in self._shm_handles]))
-            else:  # ipc: one export of each buffer per receiver, each imported exactly once
-                self._buffers = allocate_buffers(cfg.num_buffers, nbytes, self.device)
-                for r in range(1, self.world_size):
-                    handles = [export_ipc_buffer(b).to_dict() for b in self._buffers]
-                    store.set(f"{PREFIX}/buffers/{r}", _json_list(handles))
-                # Recorded after each packing; receivers' compute streams wait on them (no host sync here).
-                events = [torch.cuda.Event(interprocess=True) for _ in self._buffers]
-                store.set(f"{PREFIX}/events", json.dumps([b64encode(bytes(e.ipc_handle())) for e in events]))
-            by_role, hellos = server.accept_roles(list(range(1, self.world_size)), (DOORBELL, CONTROL), cfg.timeout_s)
-            self._links, self._control = by_role[DOORBELL], by_role[CONTROL]
+            share_with_receivers(self.config, store, self.device, self.num_receivers, nbytes, side)
         except Exception as e:
             return status_of(0, "connect", e)
         finally:
-            server.close()  # unlinks the socket file: every receiver is connected (or never will be)
+            # Kept even after a failure: close() unlinks the files and closes the links made.
+            self._buffers, self._shm_handles, self._zc = side.buffers, side.shm_handles, side.zc
+            self._links, self._control = side.links, side.control
         for link in (*self._links.values(), *self._control.values()):
             self._channel.on_fail(link.close)
-        self._plane = SharedSenderPlane(self._channel, self._links, self._buffers, self.shim, events)
-        failed = {r: h.get("error") for r, h in hellos.items() if not h.get("ok", False)}
+        self._plane = SharedSenderPlane(self._channel, self._links, self._buffers, self.shim, side.events)
+        failed = {r: h.get("error") for r, h in side.hellos.items() if not h.get("ok", False)}
         if failed:
             log.info("[rank 0] connect: receivers reported failures %s", failed)
         return RankStatus(rank=0, ok=True, phase="connect")
@@ -280,31 +217,9 @@ class WeightSender:
         if self._channel is not None:
             self._channel.check()
 
-    @contextlib.contextmanager
-    def _naming_the_unresponsive(self) -> Iterator[None]:
-        """Turn a communication failure of this call into a timeout naming the receivers that are gone.
-
-        A collective one receiver never joins fails the same way whichever receiver it is (a timeout, or
-        a socket error naming an address). When this call broke the channel, the receivers' heartbeats
-        (``liveness``) tell which processes stopped running; those are named, and the error is a
-        ``TransportTimeout`` however the wait ended: for the caller a dead engine and a stopped one are
-        the same, a peer that will not answer within the timeout.
-        """
-        channel = self._channel
-        was_broken = channel is None or channel.broken is not None
-        try:
-            yield
-        except TransportError as e:
-            if was_broken or channel is None or channel.broken is None or self._store is None:
-                raise  # an agreed failure (the channel is fine), or one already diagnosed
-            gone, window_s = unresponsive_ranks(self._store, list(range(1, self.world_size)), self.config.timeout_s)
-            if not gone:
-                raise
-            who = ", ".join(f"receiver {self.peers[r - 1].describe()}" for r in gone)
-            raise TransportTimeout(
-                f"{e}; {who}: no heartbeat within {window_s:.1f} s (the process is dead or stopped, or it "
-                "closed its transport)"
-            ) from e
+    def _naming_the_unresponsive(self) -> contextlib.AbstractContextManager[None]:
+        """A communication failure of the wrapped call raised as a timeout naming the receivers gone."""
+        return naming_unresponsive(self._channel, self._store, self.peers, self.config.timeout_s)
 
     def start_weight_update(self, manifest: Manifest | Iterable[TensorMeta], version: Any = None, *,
                             delta: dict[str, Any] | None = None) -> Manifest:
@@ -698,6 +613,3 @@ class WeightSender:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-def _json_list(items: list[dict[str, Any]]) -> str:
-    return json.dumps(items)
