@@ -368,7 +368,8 @@ def _markdown(result: dict[str, Any]) -> str:
         lines.append("")
     if result.get("baseline"):
         b = result["baseline"]
-        lines += [f"## Baseline: the previous code path (commit {b['commit']}), same arguments, in this run", ""]
+        where = f"commit {b['commit']}" if b.get("commit") else f"the code in {b['code']}, commit not known"
+        lines += [f"## Baseline: the previous code path ({where}), same arguments, in this run", ""]
         lines += ["| backend | bucket MB | update s (start..commit) | data s | control ms (budget) | "
                   "host CPU ms trainer / engine | ours: control ms | ours: host CPU ms trainer / engine |",
                   "|---|---|---|---|---|---|---|---|"]
@@ -516,8 +517,14 @@ def _baseline_run(args: argparse.Namespace, argv: list[str], tag: str) -> dict[s
     for name in ("json", "md", "png"):
         (RESULTS / f"transport_{base_tag}.{name}").unlink(missing_ok=True)  # kept inside our result
     (RESULTS / f"transport_{base_tag}_phases.png").unlink(missing_ok=True)
-    commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True)
-    return {"code": str(root), "commit": commit.stdout.strip() or None, "runs": out["runs"]}
+    # A DIR inside another checkout (an untracked copy) would report that checkout's HEAD: record a
+    # commit only when DIR is the top of a checkout of its own (a git worktree, a clone).
+    top = subprocess.run(["git", "-C", str(root), "rev-parse", "--show-toplevel"], capture_output=True, text=True)
+    commit = None
+    if top.returncode == 0 and Path(top.stdout.strip()).resolve() == root:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True)
+        commit = head.stdout.strip() or None
+    return {"code": str(root), "commit": commit, "runs": out["runs"]}
 
 
 def main(argv: list[str] | None = None) -> int:
