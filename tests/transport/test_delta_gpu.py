@@ -32,12 +32,21 @@ def _bf16_pairs(specs: list[tuple[int, float]], seed: int) -> list[tuple[torch.T
     return pairs
 
 
+# A dense group (host bases copied back whole) and a sparse one (host bases get the changes scattered).
+_GROUPS = {"dense": [(300_000, 0.02), (70_001, 0.5), (10, 0.0), (0, 0.0), (131_072, 1.0)],
+           "sparse": [(1_000_000, 0.001), (70_001, 0.0005), (10, 0.0), (0, 0.0)]}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("base_where", ["device", "pinned"])
-def test_a_cuda_group_encodes_to_the_bytes_a_cpu_sender_writes_and_moves_its_bases(base_where: str) -> None:
+@pytest.mark.parametrize("group", sorted(_GROUPS))
+def test_a_cuda_group_encodes_to_the_bytes_a_cpu_sender_writes_and_moves_its_bases(base_where: str, group: str) -> None:
     from weight_sync.transport.delta import encode_delta_with_positions, encode_deltas
+    from weight_sync.transport.delta_encode_group import scatter_pays
 
-    pairs = _bf16_pairs([(300_000, 0.02), (70_001, 0.5), (10, 0.0), (0, 0.0), (131_072, 1.0)], seed=0)
+    pairs = _bf16_pairs(_GROUPS[group], seed=0)
+    changed = sum(int((new != base).sum()) for base, new in pairs)
+    assert scatter_pays(changed, sum(new.numel() * 2 for _, new in pairs)) == (group == "sparse")
     pairs.append((torch.randn(1000), torch.randn(1000)))  # another item size: a group of its own
     bases = [b.clone().cuda() if base_where == "device" else b.clone().pin_memory() for b, _ in pairs]
     on_gpu = encode_deltas([(new.cuda(), b) for (_, new), b in zip(pairs, bases)], advance=True)
