@@ -15,6 +15,8 @@ from weight_sync import (
     record_metadata_for_reloading,
 )
 from weight_sync.layers import signatures
+from weight_sync.reload import audit_ahead, forget_audit
+from weight_sync.reload.api import register_update_hook, unregister_update_hook
 from weight_sync.reload.audit import take_baseline, verify_baseline
 
 
@@ -215,3 +217,92 @@ def test_a_tensor_added_between_updates_is_audited_by_the_next_update() -> None:
     net.layers[0].extra = torch.zeros(2)  # rebound during this update: it must be in this baseline
     with pytest.raises(PointerChangedError, match=r"layers\.0\.extra"):
         session.finish()
+
+
+def _rechecks(monkeypatch) -> list[int]:
+    import weight_sync.reload.api as api_mod
+    import weight_sync.reload.session as session_mod
+
+    checked: list[int] = []
+    real = session_mod.still_holds
+
+    def counting(base, model: nn.Module) -> bool:
+        checked.append(1)
+        return real(base, model)
+
+    monkeypatch.setattr(session_mod, "still_holds", counting)
+    monkeypatch.setattr(api_mod, "still_holds", counting)
+    return checked
+
+
+def test_a_recheck_done_ahead_spares_the_next_begin_only(monkeypatch) -> None:
+    net = Net()
+    record_metadata_for_reloading(net)
+    with begin_update(net) as s:
+        s.load(_weights(1))
+    checked = _rechecks(monkeypatch)
+    assert audit_ahead(net)
+    with begin_update(net) as s:  # the verdict found ahead: no second re-check
+        s.load(_weights(2))
+    assert checked == [1]
+    with begin_update(net) as s:  # used once: the next begin re-checks
+        s.load(_weights(3))
+    assert checked == [1, 1]
+    state = dict(net.state_dict())
+    for name, t in _weights(3):
+        assert state[name].equal(t), name
+
+
+def test_a_forgotten_verdict_lets_the_next_begin_find_a_change_and_load_into_the_new_tensors(monkeypatch) -> None:
+    net = Net()
+    record_metadata_for_reloading(net)
+    walked = _walks(monkeypatch)
+    with begin_update(net) as s:
+        s.load(_weights(1))
+    assert audit_ahead(net)
+    forget_audit(net)  # the receiver's start ended without a begin (a timeout, a refusal)
+    _rebind_parameter(net)
+    with begin_update(net) as s:
+        s.load(_weights(2))
+    assert walked == [1, 1]
+    assert net.layers[1].weight.equal(dict(_weights(2))["layers.1.weight"])
+
+
+def test_a_tensor_moved_after_the_recheck_ahead_fails_the_finish_instead_of_loading_stale_storage() -> None:
+    net = Net()
+    record_metadata_for_reloading(net)
+    with begin_update(net) as s:
+        s.load(_weights(1))
+    assert audit_ahead(net)
+    _rebind_parameter(net)  # another thread, between the check and the begin
+    session = begin_update(net)
+    session.load(_weights(2))
+    with pytest.raises(PointerChangedError, match=r"layers\.1\.weight"):
+        session.finish()
+    assert session.status == "aborted"
+
+
+def test_nothing_is_checked_ahead_without_a_committed_update_or_with_an_update_hook() -> None:
+    net = Net()
+    assert not audit_ahead(net)  # no reload state at all
+    record_metadata_for_reloading(net)
+    assert not audit_ahead(net)  # nothing committed yet
+    with begin_update(net) as s:
+        s.load(_weights(1))
+    _rebind_parameter(net)
+    assert not audit_ahead(net)  # the re-check fails: the begin walks
+    with begin_update(net) as s:
+        s.load(_weights(2))
+
+    class Hook:
+        def before_begin(self, model: nn.Module) -> None: ...
+        def opened(self, session) -> None: ...
+        def closed(self, session) -> None: ...
+
+    hook = Hook()
+    register_update_hook(net, hook)
+    try:
+        assert not audit_ahead(net)  # a hook may present other tensors before the begin
+    finally:
+        unregister_update_hook(net, hook)
+    assert audit_ahead(net)

@@ -238,3 +238,31 @@ def call_in_start(rank: int, world: int, ckpt_a: str, ckpt_b: str, backend: str,
     end.close()
     return {"outcomes": outcomes, "fingerprints": fingerprints, "torn": torn,
             "fresh": [fresh[step % 2] for step in range(5)]}
+
+
+def engine_rebinds_between_updates(rank: int, world: int, ckpt_a: str, ckpt_b: str, zero_copy: bool) -> dict:
+    """Updates b then a over shm; between them the engine rebinds a norm weight to a new tensor (its own
+    code, before it waits for the next update): the second update must land in the new tensor."""
+    end, engine, _ = connect_pair(rank, world, "shm", ckpt_a, tp=False, config=ZERO_COPY if zero_copy else None)
+    if rank == 0:
+        for version, ckpt in ((1, ckpt_b), (2, ckpt_a)):
+            src = CheckpointSource(ckpt)
+            tensors = _trainer_weights(ckpt)
+            end.send(list(tensors.items()), src.manifest(version), version)
+            dist.barrier()
+        end.close()
+        return {}
+    end.receive_update()
+    name = next(n for n, _ in engine.model.named_parameters() if n.endswith("norm.weight"))
+    owner, attr = name.rsplit(".", 1)
+    module = engine.model.get_submodule(owner)
+    old = getattr(module, attr)
+    setattr(module, attr, torch.nn.Parameter(old.detach().clone(), requires_grad=False))
+    dist.barrier()
+    report = end.receive_update()
+    dist.barrier()
+    fresh = ReferenceEngine.from_checkpoint(ckpt_a)
+    end.close()
+    return {"fingerprint": report.fingerprint, "fresh": fresh.fingerprint(),
+            "new_tensor_loaded": torch.equal(getattr(module, attr), fresh.model.get_parameter(name)),
+            "old_tensor_untouched": not torch.equal(old, fresh.model.get_parameter(name))}

@@ -8,6 +8,7 @@ import pytest
 
 from tests.transport.harness_zero_copy import (
     call_in_start,
+    engine_rebinds_between_updates,
     zero_copy_lifecycle,
     zero_copy_refused_manifest,
     zero_copy_source_fails,
@@ -112,6 +113,18 @@ def test_an_update_split_into_calls_from_a_lazy_source_equals_a_fresh_load(qwen3
 def test_zero_copy_is_rejected_where_it_cannot_work(kwargs: dict, needle: str) -> None:
     with pytest.raises(ConfigError, match=needle):
         TransportConfig(**kwargs)
+
+
+@pytest.mark.parametrize("zero_copy", [True, False], ids=["zero-copy", "buffered"])
+def test_a_parameter_the_engine_rebinds_between_updates_receives_the_next_update(zero_copy: bool, qwen3_a: Path,
+                                                                                 qwen3_b: Path) -> None:
+    # The receiver re-checks the model's pointers while it waits for the sender's header: the check
+    # must still see the engine's own change made before it began waiting.
+    _, engine = run_distributed(engine_rebinds_between_updates, 2, str(qwen3_a), str(qwen3_b), zero_copy,
+                                timeout_s=240)
+    assert engine["fingerprint"] == engine["fresh"]
+    assert engine["new_tensor_loaded"]
+    assert engine["old_tensor_untouched"]
 
 
 def _remembered(exporter, tensors):

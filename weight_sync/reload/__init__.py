@@ -10,10 +10,12 @@ patched partially); processors must produce the same kernel tensor shapes and dt
 """
 
 from weight_sync.reload.api import (
+    audit_ahead,
     begin_update,
     declare_loaded_layout,
     finalize_layerwise_processing,
     finalize_layerwise_reload,
+    forget_audit,
     initialize_layerwise_reload,
     manifest_from_checkpoint,
     record_metadata_for_reloading,
@@ -41,12 +43,14 @@ __all__ = [
     "StagingConfig",
     "UpdateReport",
     "UpdateSession",
+    "audit_ahead",
     "begin_update",
     "check_servable",
     "declare_loaded_layout",
     "finalize_layerwise_processing",
     "finalize_layerwise_reload",
     "fingerprint",
+    "forget_audit",
     "initialize_layerwise_reload",
     "manifest_from_checkpoint",
     "mark_layers_processed",

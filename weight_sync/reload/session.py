@@ -153,9 +153,9 @@ class UpdateSession(EndingSteps):
             self._announced = None
         # The audit's baseline: the last committed update's when it still holds (an indexed re-check),
         # else one walk of the model; finish re-checks it by index.
-        kept = state.last_baseline
-        state.last_baseline = None  # owned by this session now; a commit hands one back
-        if kept is not None and still_holds(kept, model):
+        kept, ahead = state.last_baseline, state.audited_ahead
+        state.last_baseline = state.audited_ahead = None  # owned by this session now; a commit hands one back
+        if kept is not None and (ahead is kept or still_holds(kept, model)):
             self._baseline = kept
         else:
             self._baseline = take_baseline(model)

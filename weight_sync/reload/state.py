@@ -130,6 +130,9 @@ class ModelState:
     # The pointer-audit baseline the last committed update verified (reload/audit.py), re-checked
     # instead of walking the model again at the next begin; None after a first processing or an abort.
     last_baseline: Any = None
+    # ``last_baseline`` when :func:`weight_sync.reload.api.audit_ahead` found it still holding, for the
+    # next begin only (a receiver checks it while it waits for the sender's header, then forgets it).
+    audited_ahead: Any = None
     # Small copies and band quantizations queued within one load call (reload/writes.py).
     write_queue: Any = None
     # Validation is repeated only when an update announces something else (see UpdateSession).

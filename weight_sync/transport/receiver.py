@@ -271,7 +271,16 @@ class WeightReceiver:
             assert self._channel is not None
             self._channel.fail(msg)
             raise TransportError(msg) from e
-        return self._handle(self._header("start_weight_update"), "start")
+        # The sender set the key as its start began; its header follows once it has prepared the update.
+        # The begin's re-check of the model's pointers runs in that wait, off the critical path.
+        from weight_sync.reload.api import audit_ahead, forget_audit
+
+        ahead = audit_ahead(self.model)
+        try:
+            return self._handle(self._header("start_weight_update"), "start")
+        finally:
+            if ahead:
+                forget_audit(self.model)  # used by this start's begin, or by none
 
     def _begin(self, manifest: Manifest, version: Any) -> Any:
         opts = dict(self.session_options, version=version)
