@@ -31,7 +31,17 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import PeakMemory, env_markdown, environment, median, timed, write_results
+from common import (
+    PeakMemory,
+    cast_copy_eps,
+    env_markdown,
+    environment,
+    format_bound_s,
+    fp8_elements,
+    median,
+    timed,
+    write_results,
+)
 
 from weight_sync import Manifest, begin_update, record_metadata_for_reloading
 from weight_sync.engine import ReferenceEngine
@@ -76,7 +86,7 @@ def bench_model(args: argparse.Namespace, device: torch.device) -> list[dict]:
     manifest = Manifest.from_named_tensors(source_b)
     # The bound of a bf16 reload: one device copy of the same bytes (issue 15's goal is <= 1.15x of it).
     copy_s, copy_Bps = _device_copy_s(nbytes, device, max(args.repeats, 5))
-    cast_eps = _cast_copy_Bps(device, max(args.repeats, 5)) if set(args.formats) - {"bf16"} else 0.0
+    cast_eps = cast_copy_eps(device, max(args.repeats, 5)) if set(args.formats) - {"bf16"} else 0.0
     print(f"{args.preset}: {len(source_b)} tensors, {nbytes / 1e9:.2f} GB; one device copy {copy_s * 1e3:.2f} ms "
           f"({copy_Bps / 1e9:.1f} GB/s); bf16 -> fp8 cast copy {cast_eps / 1e9:.1f} G elements/s", flush=True)
     for fmt, quant in FORMATS.items():
@@ -85,7 +95,7 @@ def bench_model(args: argparse.Namespace, device: torch.device) -> list[dict]:
         engine = ReferenceEngine.from_config(
             cfg, weights=random_weights(cfg, seed=0, device=device), device=device, quantization=quant
         )
-        bound_s = format_bound_s(fmt, engine, nbytes, copy_Bps, cast_eps)
+        bound_s = format_bound_s(fmt, fp8_elements(engine.model), nbytes, copy_Bps, cast_eps)
         for order in ("block order", "reversed"):
             items = source_b if order == "block order" else source_b[::-1]
 
@@ -159,29 +169,6 @@ def _device_copy_s(nbytes: int, device: torch.device, repeats: int) -> tuple[flo
     return nbytes / (size / t), size / t
 
 
-def _cast_copy_Bps(device: torch.device, repeats: int) -> float:
-    """bf16 elements per second a cast copy into fp8 moves (read 2 bytes, write 1), on 512 M elements
-    (16 M off CUDA)."""
-    n = 1 << (29 if device.type == "cuda" else 24)
-    src = torch.empty(n, dtype=torch.bfloat16, device=device).fill_(1)
-    dst = torch.empty(n, dtype=torch.float8_e4m3fn, device=device)
-    return n / median(timed(lambda: dst.copy_(src), device, repeats))
-
-
-def format_bound_s(fmt: str, engine: ReferenceEngine, nbytes: int, copy_Bps: float, cast_eps: float) -> float:
-    """The hardware bound of a reload of ``nbytes`` of bf16 tensors into ``engine`` in format ``fmt``.
-
-    bf16: one device copy. fp8 (block or channel scales): what is quantized is read once and written
-    once as fp8 (a cast copy of the same elements), the rest copied; per-tensor scales (``fp8``) read
-    what is quantized twice (the absmax, then the cast), so its part is 5/3 of the cast copy.
-    """
-    if fmt == "bf16":
-        return nbytes / copy_Bps
-    fp8 = sum(t.numel() for t in engine.model.state_dict().values() if t.dtype == torch.float8_e4m3fn)
-    cast_s = fp8 / cast_eps * (5 / 3 if fmt == "fp8" else 1.0)
-    return cast_s + max(nbytes - 2 * fp8, 0) / copy_Bps
-
-
 def bench_moe(args: argparse.Namespace, device: torch.device) -> list[dict]:
     overrides = {"num_hidden_layers": args.layers} if args.layers else {}
     cfg = hf_config("qwen3_moe", args.preset, **overrides)
@@ -204,7 +191,7 @@ def bench_moe(args: argparse.Namespace, device: torch.device) -> list[dict]:
                              f"{free / 1e9:.0f} GB free: pass --layers N")
     manifest = Manifest.from_named_tensors(items)
     copy_s, copy_Bps = _device_copy_s(nbytes, device, args.repeats)
-    cast_eps = _cast_copy_Bps(device, max(args.repeats, 5)) if set(args.formats) - {"bf16"} else 0.0
+    cast_eps = cast_copy_eps(device, max(args.repeats, 5)) if set(args.formats) - {"bf16"} else 0.0
     print(f"{args.preset}: {cfg['num_hidden_layers']} layers, {len(items)} tensors, {nbytes / 1e9:.2f} GB; "
           f"one expert {one_expert_bytes / 1e6:.2f} MB, one layer's experts "
           f"{num_experts * one_expert_bytes / 1e6:.1f} MB; one device copy {copy_s * 1e3:.1f} ms "
@@ -216,7 +203,7 @@ def bench_moe(args: argparse.Namespace, device: torch.device) -> list[dict]:
         # No CUDA graphs: this measures updates, not decoding (graph decode runs every expert per token).
         engine = ReferenceEngine.from_config(cfg, weights=random_weights(cfg, seed=0, device=device),
                                              device=device, quantization=quant, use_cuda_graph=False)
-        bound_s = format_bound_s(fmt, engine, nbytes, copy_Bps, cast_eps)
+        bound_s = format_bound_s(fmt, fp8_elements(engine.model), nbytes, copy_Bps, cast_eps)
         for order in MOE_ORDERS:
             stream = _moe_order(items, order)
             reports = []

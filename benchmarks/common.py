@@ -117,6 +117,34 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
+def cast_copy_eps(device: torch.device, repeats: int) -> float:
+    """bf16 elements per second a cast copy into fp8 moves (read 2 bytes, write 1), on 512 M elements
+    (16 M off CUDA)."""
+    n = 1 << (29 if device.type == "cuda" else 24)
+    src = torch.empty(n, dtype=torch.bfloat16, device=device).fill_(1)
+    dst = torch.empty(n, dtype=torch.float8_e4m3fn, device=device)
+    return n / median(timed(lambda: dst.copy_(src), device, repeats))
+
+
+def fp8_elements(model: torch.nn.Module) -> int:
+    """How many fp8 elements ``model`` holds (what an fp8 engine's reload writes as fp8)."""
+    return sum(t.numel() for t in model.state_dict().values() if t.dtype == torch.float8_e4m3fn)
+
+
+def format_bound_s(fmt: str, fp8: int, nbytes: int, copy_Bps: float, cast_eps: float) -> float:
+    """The hardware bound of a reload of ``nbytes`` of bf16 tensors into an engine in format ``fmt``
+    holding ``fp8`` fp8 elements (:func:`fp8_elements`).
+
+    bf16: one device copy. fp8 (block or channel scales): what is quantized is read once and written
+    once as fp8 (a cast copy of the same elements), the rest copied; per-tensor scales (``fp8``) read
+    what is quantized twice (the absmax, then the cast), so its part is 5/3 of the cast copy.
+    """
+    if fmt == "bf16":
+        return nbytes / copy_Bps
+    cast_s = fp8 / cast_eps * (5 / 3 if fmt == "fp8" else 1.0)
+    return cast_s + max(nbytes - 2 * fp8, 0) / copy_Bps
+
+
 def write_results(name: str, payload: dict[str, Any], markdown: str) -> tuple[Path, Path]:
     """Write ``<name>.json`` and ``<name>.md`` under benchmarks/results/."""
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -139,6 +139,11 @@ def rank_fn(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
                 with torch.profiler.profile(activities=acts) as p:
                     receiver.receive_update()
                 p.export_chrome_trace(str(prof_dir / "engine_trace.json"))
+            elif os.environ.get("ZC_CPROFILE") and r >= 2:
+                import cProfile
+                prof = cProfile.Profile()
+                prof.runcall(receiver.receive_update)
+                prof.dump_stats(str(prof_dir / f"engine_{r}.prof"))
             else:
                 receiver.receive_update()
             if r == n - 2:
