@@ -2,8 +2,8 @@
 # GPU tests and GPU benchmarks, run on the device machine (H200, torch 2.11 + CUDA 13, no install).
 #
 #   bash scripts/gpu_check.sh [limits] [tests] [quant] [reload] [moe] [offload_update] [offload] [transport]
-#                          [multi] [async] [async_gloo] [delta] [tests_quick] [reload8b] [offload_fp8]
-#                          (default: all but the last six)
+#                          [multi] [async] [async_gloo] [delta] [tests_quick] [reload8b] [offload_fp8] [transport_zc]
+#                          [delta_profile] (default: all but the last eight)
 #   (transport = transport_ipc transport_sweep transport_nccl, each also a phase of its own)
 #   bash scripts/gpu_check.sh peers   (opt-in: bench_peers.py, weight_sync next to checkpoint-engine from .whl/)
 #
@@ -22,6 +22,8 @@ if compgen -G ".whl/*.whl" > /dev/null; then
     --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+# Result tags name the card that ran them (H100 machines come when no H200 is free).
+G=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -q H100 && echo h100 || echo h200)
 phases=("$@")
 [ ${#phases[@]} -eq 0 ] && phases=(limits tests quant reload moe offload_update offload transport multi)
 expanded=()
@@ -45,7 +47,7 @@ step() {  # step NAME TIMEOUT_S CMD...: run, log to $OUT/NAME.log, print the tai
 
 pack() {
   if [ -n "${OUT:-}" ]; then
-    tar czf "$OUT/gpu_results.tgz" gpu_out $(ls benchmarks/results/*h200* 2>/dev/null) 2>/dev/null
+    tar czf "$OUT/gpu_results.tgz" gpu_out $(ls benchmarks/results/*${G}* 2>/dev/null) 2>/dev/null
   fi
 }
 
@@ -62,57 +64,67 @@ for phase in "${phases[@]}"; do
       step tests_quick 150 python3 -m pytest tests/quant/test_fp8_gpu.py tests/offload/test_gpu.py \
         tests/reload/test_cuda_reload.py tests/engine/test_moe_cuda.py -m gpu -q -p no:cacheprovider -rs ;;
     reload8b)
-      step bench_reload_8b 90 python3 benchmarks/bench_reload.py --device cuda --preset qwen3-8b --tag h200_qwen3-8b \
+      step bench_reload_8b 90 python3 benchmarks/bench_reload.py --device cuda --preset qwen3-8b --tag ${G}_qwen3-8b \
         --repeats 3 --formats bf16,fp8,fp8_block,fp8_channel --small-layers 2000 ;;
     offload_fp8)  # issue 19: fp8-streamed blocks against their bound and the bf16 DLO time, same run
       step bench_offload_fp8 180 python3 benchmarks/bench_offload.py --quantization fp8_block \
-        --tokens 1024 4096 16384 --tag h200_fp8 ;;
+        --tokens 1024 4096 16384 --tag ${G}_fp8 ;;
     reload)
-      step bench_reload_0.6b 300 python3 benchmarks/bench_reload.py --device cuda --preset qwen3-0.6b --tag h200_qwen3-0.6b --repeats 5
-      step bench_reload_8b 420 python3 benchmarks/bench_reload.py --device cuda --preset qwen3-8b --tag h200_qwen3-8b --repeats 3 --small-layers 2000 ;;
+      step bench_reload_0.6b 300 python3 benchmarks/bench_reload.py --device cuda --preset qwen3-0.6b --tag ${G}_qwen3-0.6b --repeats 5
+      step bench_reload_8b 420 python3 benchmarks/bench_reload.py --device cuda --preset qwen3-8b --tag ${G}_qwen3-8b --repeats 3 --small-layers 2000 ;;
     quant)  # fp8 kernels of a whole 8B model against a cast copy of the same bytes
-      step bench_quant 240 python3 benchmarks/bench_quant.py --device cuda --preset qwen3-8b --tag h200 ;;
+      step bench_quant 240 python3 benchmarks/bench_quant.py --device cuda --preset qwen3-8b --tag ${G} ;;
     moe)  # Qwen3-30B-A3B-shaped reload (16 of its 48 layers: engine + source + the naive path must fit)
       step bench_reload_moe 480 python3 benchmarks/bench_reload.py --device cuda --arch qwen3_moe \
-        --preset qwen3-30b-a3b --layers 16 --repeats 7 --formats bf16,fp8,fp8_block --tag h200_qwen3-30b-a3b ;;
+        --preset qwen3-30b-a3b --layers 16 --repeats 7 --formats bf16,fp8,fp8_block --tag ${G}_qwen3-30b-a3b ;;
     offload_update)  # an update of the offloaded 16 x 227 MB DiT against the pinned H2D bound
-      step offload_update 300 python3 benchmarks/offload_update.py --tag h200 ;;
+      step offload_update 300 python3 benchmarks/offload_update.py --tag ${G} ;;
     offload)
-      step bench_offload 480 python3 benchmarks/bench_offload.py --tag h200
+      step bench_offload 480 python3 benchmarks/bench_offload.py --tag ${G}
       step offload_demo 240 python3 -m weight_sync.cli offload-demo --device cuda --verify --dlo-no-use-allgather \
         --num-blocks 16 --hidden 3072 --heads 24 --in-channels 64 --tokens 4096 --steps 2 --dtype bfloat16 ;;
     transport_ipc)  # colocated, one GPU: buffered ipc next to zero-copy, against one device copy
       step bench_transport_ipc_zc 300 python3 benchmarks/bench_transport.py --backends ipc,ipc+zc --bucket-mb 2048 \
-        --repeats 7 --tag h200_ipc_zc ;;
+        --repeats 7 --tag ${G}_ipc_zc ;;
+    transport_zc)  # issue 15: zero-copy ipc, bf16 and an fp8_block engine (its single-pass bound in the row)
+      step bench_transport_zc 300 python3 benchmarks/bench_transport.py --backends ipc+zc --quantization none,fp8_block \
+        --bucket-mb 2048 --repeats 21 --rss-updates 0 --tag ${G}_ipc_zc_bound ;;
     transport_sweep)  # throughput vs bucket size (the PNG)
       [ "$NGPU" -ge 2 ] && step bench_transport_sweep 420 python3 benchmarks/bench_transport.py --backends nccl,ipc \
-        --quantization none --bucket-mb 256,1024,2048 --repeats 3 --warmup 1 --rss-updates 0 --tag h200x2 ;;
+        --quantization none --bucket-mb 256,1024,2048 --repeats 3 --warmup 1 --rss-updates 0 --tag ${G}x2 ;;
     transport_nccl)  # the acceptance numbers: bf16 and an fp8-block engine at 1 GiB buckets
       [ "$NGPU" -ge 2 ] && step bench_transport 420 python3 benchmarks/bench_transport.py --backends nccl \
-        --quantization none,fp8_block --bucket-mb 1024 --repeats 9 --tag h200x2_final ;;
+        --quantization none,fp8_block --bucket-mb 1024 --repeats 9 --tag ${G}x2_final ;;
     multi)
       if [ "$NGPU" -ge 2 ]; then
-        step bench_offload_dp2 420 python3 benchmarks/bench_offload.py --dp 2 --tag h200x2
+        step bench_offload_dp2 420 python3 benchmarks/bench_offload.py --dp 2 --tag ${G}x2
         step offload_demo_dp2 240 python3 -m weight_sync.cli offload-demo --device cuda --verify \
           --enable-distributed-layerwise-offload --data-parallel-size 2 --num-blocks 16 --hidden 3072 \
           --heads 24 --in-channels 64 --tokens 4096 --steps 2 --dtype bfloat16
       fi ;;
     async)  # issue 20: decode throughput while updates arrive (0.6B smoke first: it fails fast)
       step bench_async_smoke 150 python3 benchmarks/bench_async.py --device cuda --preset qwen3-0.6b --batch 8 \
-        --steps 64 --every 16 --sources local,ipc --repeats 1 --tag h200_smoke --results-dir gpu_out
+        --steps 64 --every 16 --sources local,ipc --repeats 1 --tag ${G}_smoke --results-dir gpu_out
       step bench_async 360 python3 benchmarks/bench_async.py --device cuda --preset qwen3-8b --batch 8 --steps 512 \
-        --every 64 --sources local,ipc --tag h200 ;;
+        --every 64 --sources local,ipc --tag ${G} ;;
     async_gloo)  # issue 20: the slow path, gloo from host memory
       step bench_async_gloo 360 python3 benchmarks/bench_async.py --device cuda --preset qwen3-8b --batch 8 \
-        --steps 1536 --every 512 --sources gloo --repeats 1 --tag h200_gloo ;;
+        --steps 1536 --every 512 --sources gloo --repeats 1 --tag ${G}_gloo ;;
     delta)  # issue 18: delta apply into an fp8_block engine over ipc against its full reload
       step bench_delta 150 python3 benchmarks/bench_delta.py --device cuda --quantization fp8_block \
-        --preset qwen3-0.6b --no-adam --repeats 2 --tag h200_fp8_block
-      # The Qwen3-8B shape at the transport's default bucket size (64 MiB); two densities fit its memory.
+        --preset qwen3-0.6b --no-adam --repeats 2 --tag ${G}_fp8_block
+      # The Qwen3-8B shape at the transport's default bucket size (64 MiB); two densities fit its memory
+      # (on an 80 GB H100 only with the sender's base in pinned host memory).
+      base=(); [ "$G" = h100 ] && base=(--delta-base pinned)
       step bench_delta_8b 420 python3 benchmarks/bench_delta.py --device cuda --quantization fp8_block \
-        --preset qwen3-8b --no-adam --densities 0,0.02 --repeats 2 --bucket-mib 64 --tag h200_fp8_block_8b ;;
+        --preset qwen3-8b --no-adam --densities 0,0.02 --repeats 2 --bucket-mib 64 "${base[@]}" --tag ${G}_fp8_block_8b ;;
+    delta_profile)  # issue 18: where the 8B engine's delta session goes beyond its apply (cProfile per rank)
+      base=(); [ "$G" = h100 ] && base=(--delta-base pinned)
+      step bench_delta_8b_profile 300 python3 benchmarks/bench_delta.py --device cuda --quantization fp8_block \
+        --preset qwen3-8b --no-adam --densities 0,0.02 --repeats 1 --bucket-mib 64 "${base[@]}" \
+        --profile gpu_out/delta_8b_prof --tag ${G}_fp8_block_8b_profiled ;;
     peers)  # issue 15.4: pinned host -> one GPU, weight_sync next to checkpoint-engine and the pinned H2D bound
-      step bench_peers 560 python3 benchmarks/bench_peers.py --tag h200 --profile ;;
+      step bench_peers 560 python3 benchmarks/bench_peers.py --tag ${G} --profile ;;
     *) echo "unknown phase $phase"; status=2 ;;
   esac
 done
