@@ -309,12 +309,14 @@ def _markdown(result: dict[str, Any]) -> str:
         # Issue 18's goals, judged on the 2% row.
         wire_ok, time_ok = goal["wire_ratio"] <= 0.05, goal["time_ratio"] <= 0.15
         apply_ok = goal["engine_ratio"] <= 0.5
+        writes_ratio = (goal["engine_apply_s"] + goal["engine_fingerprint_s"]) / goal["engine_full_s"]
         lines += [
             f"Goals at 2% density: wire bytes <= 5% of full: {'met' if wire_ok else 'NOT met'} "
             f"({goal['wire_ratio']:.1%}); sync time <= 0.15x full: {'met' if time_ok else 'NOT met'} "
             f"({goal['time_ratio']:.2f}x; this host's bound {goal['bound_ratio']:.2f}x); engine delta apply "
-            f"<= 0.5x its full reload (the H200 fp8_block goal): {'met' if apply_ok else 'NOT met'} "
-            f"({goal['engine_ratio']:.2f}x).",
+            f"<= 0.5x its full reload (the H200 fp8_block goal), judged on the engine's whole session: "
+            f"{'met' if apply_ok else 'NOT met'} ({goal['engine_ratio']:.2f}x; its in-place apply and "
+            f"fingerprint alone {writes_ratio:.2f}x, the rest being the delta's receipt, control and checks).",
             "",
         ]
     return "\n".join(lines)
