@@ -4,7 +4,7 @@
 #   bash scripts/gpu_check.sh [limits] [tests] [quant] [reload] [moe] [offload_update] [offload] [transport]
 #                          [multi] [async] [async_gloo] [delta] [tests_quick] [reload8b] [offload_fp8] [transport_zc]
 #                          [delta_profile] (default: all but the last eight)
-#   (transport = transport_ipc transport_sweep transport_nccl, each also a phase of its own)
+#   (transport = transport_ipc transport_sweep transport_nccl, delta = delta_small delta8b: each also a phase of its own)
 #   bash scripts/gpu_check.sh peers   (opt-in: bench_peers.py, weight_sync next to checkpoint-engine from .whl/)
 #
 # Logs go to ./gpu_out; benchmark JSON/markdown/PNG go to benchmarks/results/. When $OUT is set (the
@@ -28,7 +28,11 @@ phases=("$@")
 [ ${#phases[@]} -eq 0 ] && phases=(limits tests quant reload moe offload_update offload transport multi)
 expanded=()
 for p in "${phases[@]}"; do
-  if [ "$p" = transport ]; then expanded+=(transport_ipc transport_sweep transport_nccl); else expanded+=("$p"); fi
+  case $p in
+    transport) expanded+=(transport_ipc transport_sweep transport_nccl) ;;
+    delta) expanded+=(delta_small delta8b) ;;
+    *) expanded+=("$p") ;;
+  esac
 done
 phases=("${expanded[@]}")
 status=0
@@ -110,9 +114,10 @@ for phase in "${phases[@]}"; do
     async_gloo)  # issue 20: the slow path, gloo from host memory
       step bench_async_gloo 360 python3 benchmarks/bench_async.py --device cuda --preset qwen3-8b --batch 8 \
         --steps 1536 --every 512 --sources gloo --repeats 1 --tag ${G}_gloo ;;
-    delta)  # issue 18: delta apply into an fp8_block engine over ipc against its full reload
+    delta_small)  # issue 18: delta apply into an fp8_block engine over ipc against its full reload
       step bench_delta 150 python3 benchmarks/bench_delta.py --device cuda --quantization fp8_block \
-        --preset qwen3-0.6b --no-adam --repeats 2 --tag ${G}_fp8_block
+        --preset qwen3-0.6b --no-adam --repeats 2 --tag ${G}_fp8_block ;;
+    delta8b)
       # The Qwen3-8B shape at the transport's default bucket size (64 MiB); two densities fit its memory
       # (on an 80 GB H100 only with the sender's base in pinned host memory).
       base=(); [ "$G" = h100 ] && base=(--delta-base pinned)
