@@ -3,7 +3,7 @@
 #
 #   bash scripts/gpu_check.sh [limits] [tests] [quant] [reload] [moe] [offload_update] [offload] [transport]
 #                          [multi] [async] [async_gloo] [delta] [tests_quick] [reload8b] [offload_fp8] [transport_zc]
-#                          [delta_profile] (default: all but the last eight)
+#                          [delta_profile] [delta_decode] (default: all but the last nine)
 #   (transport = transport_ipc transport_sweep transport_nccl, delta = delta_small delta8b: each also a phase of its own)
 #   bash scripts/gpu_check.sh peers   (opt-in: bench_peers.py, weight_sync next to checkpoint-engine from .whl/)
 #
@@ -128,6 +128,9 @@ for phase in "${phases[@]}"; do
       step bench_delta_8b_profile 300 python3 benchmarks/bench_delta.py --device cuda --quantization fp8_block \
         --preset qwen3-8b --no-adam --densities 0,0.02 --repeats 1 --bucket-mib 64 "${base[@]}" \
         --profile gpu_out/delta_8b_prof --tag ${G}_fp8_block_8b_profiled ;;
+    delta_decode)  # issue 18: the batched decode's host cost per payload, device payloads vs the same bytes on the host
+      step bench_delta_decode 150 python3 benchmarks/bench_delta_decode.py --device cuda --preset qwen3-8b \
+        --densities 0,0.02 --repeats 5 --tag ${G}_8b ;;
     peers)  # issue 15.4: pinned host -> one GPU, weight_sync next to checkpoint-engine and the pinned H2D bound
       step bench_peers 560 python3 benchmarks/bench_peers.py --tag ${G} --profile ;;
     *) echo "unknown phase $phase"; status=2 ;;
