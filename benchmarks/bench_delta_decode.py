@@ -12,8 +12,9 @@ over ``--repeats`` (the device synchronized around each):
 - ``parse``: :func:`~weight_sync.transport.delta_batch.parse_many` of every payload (host work + one read);
 - ``decode``: :func:`~weight_sync.transport.delta_batch.decode_together` + its checks read back;
 - the same two on host copies of the payloads (the baseline: the same bytes, host tensors);
-- ``views``: the bare torch work parse_many does per payload (four slices, two dtype views) on the device
-  payloads and on the host copies: what a payload costs before any of our logic.
+- ``views``: the bare torch work parse_many does on each payload (four region slices, two dtype views;
+  not its two chunk-table slices, which are host tensors either way) on the device payloads and on the
+  host copies: what a payload's views cost before any of our logic.
 
 Ratios printed: device / host per payload for each. Results: ``benchmarks/results/delta_decode_<tag>.{json,md}``.
 
@@ -23,11 +24,8 @@ Usage: ``python benchmarks/bench_delta_decode.py --device cuda --preset qwen3-8b
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
-import time
-from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -35,30 +33,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import RESULTS, environment
+from benchmarks.common import environment, median, timed, write_results
 from weight_sync.testing.checkpoint import hf_config, random_weights
 from weight_sync.transport.delta import encode_deltas, raise_failed
 from weight_sync.transport.delta_batch import decode_together, parse_many
 
 Item = tuple[torch.Tensor, int, torch.dtype]
-
-
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
-def _timed(fn: Callable[..., Any], args: tuple[Any, ...], dev: torch.device, repeats: int) -> float:
-    """Median wall seconds of ``fn(*args)`` over ``repeats`` runs after one warm-up, the device synchronized."""
-    fn(*args)
-    out = []
-    for _ in range(repeats):
-        _sync(dev)
-        t0 = time.perf_counter()
-        fn(*args)
-        _sync(dev)
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out)
 
 
 def _staged(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[Item]:
@@ -74,7 +54,7 @@ def _staged(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[Item]:
 
 
 def _bare_views(items: list[Item]) -> None:
-    """The torch objects parse_many makes per payload (region slices and dtype views), nothing else."""
+    """The views parse_many makes of each payload (four region slices, two dtype views), nothing else."""
     for payload, _, _ in items:
         n = payload.numel()
         q = n // 4 // 8 * 8
@@ -108,9 +88,9 @@ def bench(device: str, preset: str, densities: list[float], repeats: int, seed: 
         n = len(items)
         row: dict[str, Any] = {"density": d, "payloads": n, "payload_bytes": sum(p.numel() for p, _, _ in items)}
         for where, its, on in (("device", items, dev), ("host", host, torch.device("cpu"))):
-            row[f"{where}_parse_us"] = 1e6 * _timed(parse_many, (its,), on, repeats) / n
-            row[f"{where}_decode_us"] = 1e6 * _timed(_decode, (its, on), on, repeats) / n
-            row[f"{where}_views_us"] = 1e6 * _timed(_bare_views, (its,), on, repeats) / n
+            for k, fn in (("parse", partial(parse_many, its)), ("decode", partial(_decode, its, on)),
+                          ("views", partial(_bare_views, its))):
+                row[f"{where}_{k}_us"] = 1e6 * median(timed(fn, on, repeats)) / n
         for k in ("parse", "decode", "views"):
             row[f"{k}_ratio"] = row[f"device_{k}_us"] / row[f"host_{k}_us"]
         rows.append(row)
@@ -162,10 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"densities must lie in [0, 1] and repeats be >= 1, got {densities} and {args.repeats}")
     result = bench(args.device, args.preset, densities, args.repeats, args.seed)
     tag = args.tag or f"{args.device}_{args.preset}"
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"delta_decode_{tag}.json").write_text(json.dumps(result, indent=2))
-    (RESULTS / f"delta_decode_{tag}.md").write_text(_markdown(result))
-    print(f"wrote {RESULTS}/delta_decode_{tag}.json and .md")
+    j, m = write_results(f"delta_decode_{tag}", result, _markdown(result))
+    print(f"wrote {j} and {m}")
     return 0
 
 
