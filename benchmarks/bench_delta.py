@@ -14,7 +14,8 @@ the same versions as full updates (the sender's base dropped first, so ``send`` 
 the wall time of ``send()`` (the delta's encode included) to the engines' agreed commit, median over
 repeats (also reported: ``TransferReport.seconds``, which starts after the encode);
 every delta's engine fingerprint is checked equal to the full update's of the same version.
-``--profile DIR`` writes a cProfile of each rank (the times then include the profiler).
+``--profile DIR`` writes a cProfile of each rank (the times then include the profiler);
+``--profile-deltas DIR`` one of the engine's delta updates only (``DIR/engine_deltas.prof``).
 
 Usage: ``python benchmarks/bench_delta.py [--preset small] [--repeats 3] [--quantization fp8_block]``.
 Results: ``benchmarks/results/delta_<tag>.{json,md}``.
@@ -23,6 +24,7 @@ Results: ``benchmarks/results/delta_<tag>.{json,md}``.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import statistics
 import sys
@@ -137,12 +139,23 @@ def _bench_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     repeats = spec["repeats"]
     if rank != 0:
         updates = []
-        for _ in range(n * (1 + 6 * repeats)):
+        # Only the deltas under the profiler (per scenario: the first full update, then per direction
+        # the delta, the plain full sync and the full update recording the base, as the sender sends them).
+        prof = cProfile.Profile() if spec.get("profile_deltas") else None
+        for i in range(n * (1 + 6 * repeats)):
+            is_delta = i % (1 + 6 * repeats) % 3 == 1
+            if prof is not None and is_delta:
+                prof.enable()
             report = end.receive_update()
+            if prof is not None and is_delta:
+                prof.disable()
             stats = end._delta_base.last_stats
             updates.append({"fingerprint": report.fingerprint, "engine_s": report.seconds.get("total", 0.0),
                             "mode": stats.get("mode"), "seconds": stats.get("seconds", {})})
         end.close()
+        if prof is not None:
+            Path(spec["profile_deltas"]).mkdir(parents=True, exist_ok=True)
+            prof.dump_stats(str(Path(spec["profile_deltas"]) / "engine_deltas.prof"))
         return {"updates": updates}
     assert scenarios is not None
     rows = []
@@ -344,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="write a cProfile of each rank to DIR/rank<N>.prof (times include the profiler)")
+    p.add_argument("--profile-deltas", default=None, metavar="DIR",
+                   help="write a cProfile of the engine's delta updates only to DIR/engine_deltas.prof")
     args = p.parse_args(argv)
     cuda = args.device == "cuda"
     backend = args.backend or ("ipc" if cuda else "gloo")
@@ -360,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
                 "backend": backend, "delta_base": delta_base, "engine_base": engine_base,
                 "adam": not args.no_adam,
                 "num_scenarios": (0 if args.no_adam else len(LRS)) + len(densities), "densities": densities, "profile": args.profile,
+                "profile_deltas": args.profile_deltas,
                 "threads": args.threads}
         out = run_distributed(bench_rank, 2, spec, timeout_s=3600)
     rows = out[0]["rows"]

@@ -123,11 +123,13 @@ for phase in "${phases[@]}"; do
       base=(); [ "$G" = h100 ] && base=(--delta-base pinned)
       step bench_delta_8b 420 python3 benchmarks/bench_delta.py --device cuda --quantization fp8_block \
         --preset qwen3-8b --no-adam --densities 0,0.02 --repeats 2 --bucket-mib 64 "${base[@]}" --tag ${G}_fp8_block_8b ;;
-    delta_profile)  # issue 18: where the 8B engine's delta session goes beyond its apply (cProfile per rank)
+    delta_profile)  # issue 18: where the 8B engine's delta session goes (cProfile of the engine's deltas only)
       base=(); [ "$G" = h100 ] && base=(--delta-base pinned)
       step bench_delta_8b_profile 300 python3 benchmarks/bench_delta.py --device cuda --quantization fp8_block \
-        --preset qwen3-8b --no-adam --densities 0,0.02 --repeats 1 --bucket-mib 64 "${base[@]}" \
-        --profile gpu_out/delta_8b_prof --tag ${G}_fp8_block_8b_profiled ;;
+        --preset qwen3-8b --no-adam --densities 0,0.02 --repeats 2 --bucket-mib 64 "${base[@]}" \
+        --profile-deltas gpu_out/delta_8b_prof --tag ${G}_fp8_block_8b_profiled
+      python3 -c "import pstats, sys; s = pstats.Stats(sys.argv[1]); s.sort_stats('cumulative').print_stats(70); s.sort_stats('tottime').print_stats(40)" \
+        gpu_out/delta_8b_prof/engine_deltas.prof > gpu_out/delta_8b_prof/engine_deltas.txt 2>&1 ;;
     delta_decode)  # issue 18: the batched decode's host cost per payload, device payloads vs the same bytes on the host
       step bench_delta_decode 150 python3 benchmarks/bench_delta_decode.py --device cuda --preset qwen3-8b \
         --densities 0,0.02 --repeats 5 --tag ${G}_8b ;;

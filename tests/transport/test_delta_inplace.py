@@ -170,3 +170,30 @@ def test_deltas_reuse_their_routes_until_a_key_is_planned_again_or_a_tensor_move
     norm.weight.data = norm.weight.data.clone()  # same values, another address
     assert delta() is not replanned
     assert pair["base"].last_stats["in_place"] == len(weights)
+
+
+def test_the_first_delta_after_a_full_update_reuses_its_routes_unless_the_update_changed_what_they_derive_from(
+        qwen3_a: Path) -> None:
+    # The full update routes every key to record the model-format copies; the delta after it would route
+    # them all again (a fallback, or a bench alternating both) unless they are kept at its commit.
+    pair = _pair(qwen3_a, "fp8_block")
+    weights, applier = pair["weights"], pair["base"].applier
+    state = get_state(pair["delta"].model)
+
+    def update(mode: str, during: Any = None) -> Any:
+        pair["version"] += 1
+        session = DeltaSession(_session(pair["delta"], weights, pair["version"]), pair["base"], mode)
+        session.load(list(weights.items()) if mode == "full" else [(n, encode_delta(t, t)) for n, t in weights.items()])
+        if during is not None:
+            during()
+        session.finish()
+        return applier._routes
+
+    kept = update("full")
+    assert kept is not None and update("delta") is kept
+    assert pair["base"].last_stats["in_place"] == len(weights)
+    name = next(iter(weights))
+    # A key planned again while the full update ran: its routes may be stale, so none are kept.
+    assert update("full", during=lambda: state.plan.add(state.plan.keys[name])) is None
+    again = update("delta")
+    assert again is not None and again is not kept and again[1] == kept[1]

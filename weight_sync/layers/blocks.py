@@ -8,6 +8,7 @@ group (before the first block: embeddings) or the *post* group (after the last b
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -43,12 +44,22 @@ PRE = BlockKey(0, "", -1)
 POST = BlockKey(2, "", -1)
 
 
+# Cached: every update's bucket plan groups the same few hundred names again (a delta's wire manifest
+# changes its sizes, not its names), and splitting them is most of that grouping's cost.
+@functools.lru_cache(maxsize=1 << 17)
 def _split_block(name: str) -> tuple[str, int] | None:
     parts = name.split(".")
     for i, p in enumerate(parts):
         if p.isdigit():
             return ".".join(parts[:i]), int(p)
     return None
+
+
+@functools.lru_cache(maxsize=1 << 17)
+def _indexed_key(name: str) -> BlockKey | None:
+    """The block of an indexed name (None for an un-indexed one), made once per name."""
+    split = _split_block(name)
+    return None if split is None else BlockKey(1, split[0], split[1])
 
 
 _INPUT_HINTS = ("embed", "wte", "wpe", "proj_in", "patch", "time_", "context_embed", "x_embed")
@@ -101,12 +112,11 @@ def group_by_block(
             prefix_rank[split[0]] = len(prefix_rank)
     groups: dict[BlockKey, list[str]] = {}
     for n in names:
-        split = _split_block(n)
-        if split is None:
+        key = _indexed_key(n)
+        if key is None:
             key = PRE if is_pre(n) else POST
         else:
-            key = BlockKey(1, split[0], split[1])
-            prefix_rank.setdefault(split[0], len(prefix_rank))
+            prefix_rank.setdefault(key.prefix, len(prefix_rank))
         groups.setdefault(key, []).append(n)
 
     def sort_key(k: BlockKey) -> tuple[int, int, int]:

@@ -137,6 +137,8 @@ class InPlaceUpdate:
         self.mode = mode
         self.state: ModelState = session.state
         self.routes = applier.routes_for(session, mode)
+        # A full update's routes, and what they were derived from, for the deltas after it (commit()).
+        self._full_routes = (applier.route_key(session), dict(self.routes)) if mode != "delta" else None
         self.touched: set[str] = set()
         self._element_snaps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._whole_snaps: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -466,6 +468,8 @@ class InPlaceUpdate:
             self.applier.checksums = self.pending_checksums
         if self.mode == "full":
             self.applier.keep_only(self.recorded)
+        if self._full_routes is not None:
+            self.applier.keep_routes(*self._full_routes, self.session)
 
     def undo(self, reason: str) -> None:
         """Undo this update's in-place writes (rollback) or mark their layers torn; drop the caches."""
@@ -507,15 +511,31 @@ class DeltaApplier:
         plan at the same generation (no key planned again), the same cached-view epoch (the session
         bumps it when any graph-visible tensor moved since the last commit) and the same keys. A full
         update computes them afresh (its layers may be processed for the first time) and drops the
-        cache, as any failure does (:meth:`forget`)."""
+        cache, as any failure does (:meth:`forget`); its committed routes become the cache when nothing
+        they derive from changed during it (:meth:`keep_routes`)."""
         state, plan, names = session.state, session.plan, session.expected or frozenset()
         if mode != "delta":
             self._routes = None
             return plan_routes(state, plan, names)
-        key = (id(state), id(plan), plan.generation, state.views_epoch, names)
+        key = self.route_key(session)
         if self._routes is None or self._routes[0] != key:
             self._routes = (key, plan_routes(state, plan, names))
         return dict(self._routes[1])
+
+    @staticmethod
+    def route_key(session: Any) -> tuple[Any, ...]:
+        """What every route derives from: the plan and its generation, the cached-view epoch, the keys,
+        and which layers hold kernel-format tensors (a layer processed for the first time has new
+        kernel tensors, and routes into them)."""
+        state, plan = session.state, session.plan
+        return (id(state), id(plan), plan.generation, state.views_epoch, session.expected or frozenset(),
+                tuple(info.processed for info in state.layers.values()))
+
+    def keep_routes(self, key: tuple[Any, ...], routes: dict[str, tuple[Target, ...] | None], session: Any) -> None:
+        """Keep a committed full update's routes for the next delta when the state it leaves still
+        gives ``key`` (its begin's): the first delta after a full update then plans none again."""
+        if self.route_key(session) == key:
+            self._routes = (key, routes)
 
     @property
     def nbytes(self) -> int:

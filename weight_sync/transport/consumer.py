@@ -122,7 +122,11 @@ class BucketConsumer:
                 meta = layout.metas[seg.index]
                 if seg.nbytes == meta.nbytes:
                     raw = buf[seg.bucket_offset : seg.bucket_offset + seg.nbytes]
-                    whole.append((meta.name, raw.view(meta.dtype).view(meta.shape)))
+                    # A flat uint8 tensor (every delta payload) is the slice itself: each torch view
+                    # costs about a microsecond of host time, and a call holds hundreds of tensors.
+                    if meta.dtype != torch.uint8 or len(meta.shape) != 1:
+                        raw = raw.view(meta.dtype).view(meta.shape)
+                    whole.append((meta.name, raw))
             views = (whole, len(whole) == len(bucket.segments))
             self._views[(k, i)] = views
         return views

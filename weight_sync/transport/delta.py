@@ -321,8 +321,10 @@ def copy_changed_(base: torch.Tensor, new: torch.Tensor, positions: torch.Tensor
 class _Parsed:
     chunk_elems: int
     num_chunks: int
-    form: torch.Tensor  # int64 per chunk, on the host (the table is read there anyway)
-    counts: torch.Tensor
+    # int64 per chunk, on the host (the table is read there anyway): numpy arrays, whose slicing and
+    # small reductions cost a fraction of a torch call's overhead (a bucket parses hundreds of these).
+    form: np.ndarray
+    counts: np.ndarray
     regions: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # bitmask, offsets, sparse, plain
     payload: torch.Tensor | None = None  # the encoding itself (its table, read in place: table)
     # From the table, on the host: plain chunks, and the changes in bitmask and in index chunks (a
@@ -342,13 +344,13 @@ class _Parsed:
         """The chunk numbers of form ``kind``, ascending, on ``dev`` (no device sync)."""
         host = self.form == kind
         if self.table is None:
-            return to_device(host.nonzero().reshape(-1), dev)
+            return to_device(torch.from_numpy(np.flatnonzero(host)), dev)
         return torch.nonzero_static(self.table[:, 0] == kind, size=int(host.sum())).reshape(-1)
 
     def chunk_counts(self, chunks: torch.Tensor, dev: torch.device) -> torch.Tensor:
         """The changed counts of ``chunks`` (from :meth:`chunks`), on ``dev``."""
         if self.table is None:
-            return to_device(self.counts[chunks.cpu()], dev)
+            return to_device(torch.from_numpy(self.counts[chunks.cpu().numpy()]), dev)
         return self.table[:, 1][chunks]
 
 
@@ -434,7 +436,7 @@ def _parse(payload: torch.Tensor, numel: int, dtype: torch.dtype, head: np.ndarr
         raise LayoutMismatchError(f"delta payload: the table describes {pos} bytes, the payload has {payload.numel()}")
     int_dtype = _INT_OF_SIZE[item] if dtype != torch.bool else torch.uint8
     bitmask, offsets, sparse, plain = regions
-    return _Parsed(chunk_elems, num_chunks, torch.from_numpy(form_np), torch.from_numpy(counts_np),
+    return _Parsed(chunk_elems, num_chunks, form_np, counts_np,
                    (bitmask, offsets, sparse.view(int_dtype), plain.view(int_dtype)), payload,
                    chunks_of[FORM_PLAIN], n_bits, n_index_vals)
 
@@ -540,11 +542,16 @@ def decode_parsed(p: _Parsed, numel: int, dev: torch.device,
     bpos, ipos = _sparse_positions(p, numel, dev, checks)
     if not plain.numel():
         return (bpos if not ipos.numel() else ipos if not bpos.numel() else torch.cat([bpos, ipos])), sparse
-    plain_pos = _plain_positions((p.form == FORM_PLAIN).nonzero().reshape(-1), p.chunk_elems, numel, dev,
+    plain_pos = _plain_positions(_plain_chunks(p), p.chunk_elems, numel, dev,
                                  None if dev.type == "cpu" else p.chunks(FORM_PLAIN, dev))
     if not sparse.numel():
         return plain_pos, plain
     return torch.cat([bpos, ipos, plain_pos]), torch.cat([sparse, plain])
+
+
+def _plain_chunks(p: _Parsed) -> torch.Tensor:
+    """The numbers of ``p``'s plain chunks, ascending (a host int64 tensor)."""
+    return torch.from_numpy(np.flatnonzero(p.form == FORM_PLAIN))
 
 
 def apply_delta_(base: torch.Tensor, payload: torch.Tensor, *, positions: bool = True) -> torch.Tensor | None:
@@ -574,7 +581,7 @@ def apply_delta_(base: torch.Tensor, payload: torch.Tensor, *, positions: bool =
     found = [bpos, ipos]
     if plain.numel():
         # Plain and sparse chunks are disjoint: the order of the writes does not matter.
-        plain_pos = _plain_positions((p.form == FORM_PLAIN).nonzero().reshape(-1), p.chunk_elems, numel, dev)
+        plain_pos = _plain_positions(_plain_chunks(p), p.chunk_elems, numel, dev)
         if positions:
             found.append(plain_pos[flat[plain_pos] != plain])
         flat[plain_pos] = plain

@@ -103,8 +103,8 @@ def _decode_group(group: list[_Item], ce: int, dev: torch.device, checks: Checks
     # the device in one copy: [bitmask chunk ids | index chunk ids | index chunk counts].
     # (One pass over the concatenated tables: chunk numbers are local to each payload.)
     nc = np.array([it.parsed.num_chunks for it in group], dtype=np.int64)
-    forms = np.concatenate([it.parsed.form.numpy() for it in group]) if group else np.zeros(0, np.int64)
-    counts = np.concatenate([it.parsed.counts.numpy() for it in group]) if group else np.zeros(0, np.int64)
+    forms = np.concatenate([it.parsed.form for it in group]) if group else np.zeros(0, np.int64)
+    counts = np.concatenate([it.parsed.counts for it in group]) if group else np.zeros(0, np.int64)
     local = np.arange(forms.size) - np.repeat(np.concatenate([[0], np.cumsum(nc)[:-1]]), nc)
     bm_at, ix_at = np.flatnonzero(forms == FORM_BITMASK), np.flatnonzero(forms == FORM_INDEX)
     packed = np.concatenate([local[bm_at], local[ix_at], counts[ix_at]]).astype(np.int64)
@@ -148,19 +148,20 @@ def _decode_group(group: list[_Item], ce: int, dev: torch.device, checks: Checks
     b_at = i_at = 0
     out = []
     for it in group:
-        bpos = bpos_all[b_at : b_at + it.parsed.n_bits]
-        ipos = ipos_all[i_at : i_at + it.parsed.n_index]
-        b_at += it.parsed.n_bits
-        i_at += it.parsed.n_index
-        if it.parsed.n_bits:
+        # (Sizes from the tables: a torch call per tensor, even numel(), is what this loop avoids.)
+        nb, ni = it.parsed.n_bits, it.parsed.n_index
+        bpos = bpos_all[b_at : b_at + nb] if nb else empty
+        ipos = ipos_all[i_at : i_at + ni] if ni else empty
+        b_at += nb
+        i_at += ni
+        if nb:
             lasts.append(b_at - 1)
             limits.append(it.numel)
-        if it.parsed.n_index:
+        if ni:
             lasts.append(total_bits + i_at - 1)
             limits.append(it.numel)
-        sparse = it.parsed.regions[2]
-        pos = bpos if not ipos.numel() else ipos if not bpos.numel() else torch.cat([bpos, ipos])
-        out.append((pos, sparse))
+        pos = bpos if not ni else ipos if not nb else torch.cat([bpos, ipos])
+        out.append((pos, it.parsed.regions[2]))
     if lasts:
         both = torch.cat([bpos_all, ipos_all])
         table = to_device(torch.from_numpy(np.array([lasts, limits], dtype=np.int64)), dev)
@@ -169,7 +170,7 @@ def _decode_group(group: list[_Item], ce: int, dev: torch.device, checks: Checks
 
 
 def parse_many(items: list[tuple[torch.Tensor, int, torch.dtype]]) -> list[_Parsed]:
-    """``_parse`` of every ``(payload, numel, dtype)`` of one device, the headers and tables of all of
+    """``_parse`` of every ``(payload, numel, dtype)`` (all on one device), the headers and tables of all of
     them read in one device read and checked in one numpy pass (a per-payload parse costs tens of
     microseconds of host time, and a bucket holds hundreds). A payload that fails a check, or whose
     table is not all in its leading bytes (another chunk size), is parsed alone: that raises its own
@@ -215,18 +216,31 @@ def parse_many(items: list[tuple[torch.Tensor, int, torch.dtype]]) -> list[_Pars
     payload_bytes = np.array([t.numel() for t, _, _ in items], dtype=np.int64)
     usable &= (region_at[:, 4] == payload_bytes) & (lengths.min(1) >= 0)
     usable &= np.array([t.dtype == torch.uint8 and t.dim() == 1 for t, _, _ in items], dtype=bool)
-    # Python lists for the per-payload loop: indexing numpy scalars costs more than the rest of it.
-    forms_t, counts_t = torch.from_numpy(form), torch.from_numpy(counts)
+    # Python lists for the per-payload loop: indexing numpy scalars costs more than the rest of it. A
+    # torch view costs about a microsecond of host time: an empty region gets one shared empty tensor
+    # (most payloads have one or two: no bitmask at a low density, no plain chunks below a dense one).
     ends = region_at[:, :4] + lengths
     rows = zip(usable.tolist(), region_at.tolist(), ends.tolist(), chunk_at.tolist(), chunk_at[1:].tolist(),
                ce.tolist(), nc.tolist(), per[:, FORM_PLAIN].tolist(), n_bits.tolist(), n_index.tolist())
+    empty: dict[torch.dtype, torch.Tensor] = {}
+    dev = items[0][0].device if items else None
     for i, ((payload, n, dtype), (ok, a, e, lo, hi, ce_i, nc_i, plain, bits, index)) in enumerate(zip(items, rows)):
         if not ok:
             out[i] = _parse(payload, n, dtype, heads[i])
             continue
         int_dtype = _INT_OF_SIZE[dtype.itemsize] if dtype != torch.bool else torch.uint8
-        out[i] = _Parsed(ce_i, nc_i, forms_t[lo:hi], counts_t[lo:hi],
-                         (payload[a[0] : e[0]], payload[a[1] : e[1]], payload[a[2] : e[2]].view(int_dtype),
-                          payload[a[3] : e[3]].view(int_dtype)),
+        regions = []
+        for k in range(4):
+            want = torch.uint8 if k < 2 else int_dtype
+            if a[k] == e[k]:
+                r = empty.get(want)
+                if r is None:
+                    r = empty[want] = torch.empty(0, dtype=want, device=dev)
+            else:
+                r = payload[a[k] : e[k]]
+                if k >= 2 and want is not torch.uint8:
+                    r = r.view(want)
+            regions.append(r)
+        out[i] = _Parsed(ce_i, nc_i, form[lo:hi], counts[lo:hi], tuple(regions),  # type: ignore[arg-type]
                          payload, plain, bits, index)
     return [p for p in out if p is not None]

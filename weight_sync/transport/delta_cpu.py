@@ -133,7 +133,7 @@ def sparse_positions_cpu(p: _Parsed, numel: int) -> tuple[torch.Tensor, torch.Te
     checked against the encoding's regions and the tensor: the CPU twin of the torch decoder."""
     ce = p.chunk_elems
     bitmask, offsets, sparse, _ = p.regions
-    form, counts = p.form.numpy(), p.counts.numpy()
+    form, counts = p.form, p.counts
     bpos = ipos = np.empty(0, dtype=np.int64)
     fast = native.enabled()
     if bitmask.numel():

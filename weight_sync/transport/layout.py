@@ -111,6 +111,7 @@ def plan_buckets(metas: Sequence[TensorMeta], bucket_bytes: int, align_bytes: in
     names = [m.name for m in metas]
     groups = group_by_block(names, reference_order=names)
     index = {m.name: i for i, m in enumerate(metas)}
+    sizes = [m.nbytes for m in metas]  # (a property computing a product: read once per tensor)
     buckets: list[Bucket] = []
     current: list[Segment] = []
     used = 0
@@ -123,12 +124,12 @@ def plan_buckets(metas: Sequence[TensorMeta], bucket_bytes: int, align_bytes: in
         current, used = [], 0
 
     for block_names in groups.values():
-        block_bytes = sum(align_up(metas[index[n]].nbytes, align_bytes) for n in block_names)
+        block_bytes = sum(align_up(sizes[index[n]], align_bytes) for n in block_names)
         if used and used + block_bytes > bucket_bytes:
             close()
         for name in block_names:
             i = index[name]
-            nbytes = metas[i].nbytes
+            nbytes = sizes[i]
             if nbytes == 0:
                 current.append(Segment(i, 0, 0, used))
                 continue
