@@ -39,11 +39,21 @@ from weight_sync.transport.delta import encode_deltas, raise_failed
 from weight_sync.transport.delta_batch import decode_together, parse_many
 
 Item = tuple[torch.Tensor, int, torch.dtype]
+ENCODE_BYTES = 1 << 30
 
 
 def _staged(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[Item]:
-    """The payloads as the engine holds them after ``InPlaceUpdate.stage``: views of one flat copy."""
-    encoded = encode_deltas(pairs)
+    """The payloads as the engine holds them after ``InPlaceUpdate.stage``: views of one flat copy.
+    Encoded in groups of at most ``ENCODE_BYTES`` of tensors, as a sender encodes bucket by bucket (the
+    encode's work memory is a few times its group's size)."""
+    encoded, group, size = [], [], 0
+    for new, old in pairs:
+        group.append((new, old))
+        size += new.numel() * new.element_size()
+        if size >= ENCODE_BYTES:
+            encoded += encode_deltas(group)
+            group, size = [], 0
+    encoded += encode_deltas(group) if group else []
     flat = torch.cat([enc for enc, _ in encoded])
     items, at = [], 0
     for (enc, _), (new, _) in zip(encoded, pairs):
