@@ -412,3 +412,26 @@ def test_a_bad_payload_in_a_bucket_is_refused_by_name_of_its_problem(damage: str
     # On CPU each payload decodes alone (numpy) and raises its own error, counted its own way.
     with pytest.raises(LayoutMismatchError, match="changed positions but" if damage == "bit" else message):
         decode_deltas(items)
+
+
+def test_a_position_beyond_its_tensor_is_refused_in_a_bucket_mixing_bitmask_and_index_payloads() -> None:
+    # The batched check reads each tensor's last position from the bitmask or the index positions of
+    # the whole bucket: both kinds in one group, the bad one after a bitmask payload.
+    from weight_sync.transport.delta_batch import decode_together
+
+    base = torch.zeros(100)
+    new = base.clone()
+    new[[70, 80]] = 1.0  # chunk 1 of 64 (elements 64..99): two changes, in index form
+    bad = encode_delta(new, base, chunk_elems=64)
+    assert delta_stats(bad, 100, torch.float32).chunks == (1, 0, 1, 0)
+    # Offsets at bytes 32..36 (header 16 + table 16); the second one still increases, into 64 + 50 = 114.
+    bad[34:36] = torch.tensor([50 - 32768], dtype=torch.int16).view(torch.uint8)
+    for items, refused in (([(_bitmask_payload(), 64, torch.float32), (bad, 100, torch.float32)], True),
+                           ([(_bitmask_payload(), 64, torch.float32),
+                             (encode_delta(new, base, chunk_elems=64), 100, torch.float32)], False)):
+        checks: list = []
+        decoded = decode_together(items, torch.device("cpu"), checks)
+        failed = [m for f, (_, m) in zip(torch.stack([c for c, _ in checks]).tolist(), checks) if f]
+        assert (any("beyond" in m for m in failed), bool(failed)) == (refused, refused)
+        if not refused:
+            assert decoded[1][0].tolist() == [70, 80] and len(decoded[0][0]) == 10
