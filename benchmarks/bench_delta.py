@@ -15,7 +15,9 @@ the wall time of ``send()`` (the delta's encode included) to the engines' agreed
 repeats (also reported: ``TransferReport.seconds``, which starts after the encode);
 every delta's engine fingerprint is checked equal to the full update's of the same version.
 ``--profile DIR`` writes a cProfile of each rank (the times then include the profiler);
-``--profile-deltas DIR`` one of the engine's delta updates only (``DIR/engine_deltas.prof``).
+``--profile-deltas DIR`` one of the engine's delta updates only (``DIR/engine_deltas.prof``);
+``--trace-deltas DIR`` a torch.profiler trace of the run's last delta on the engine, host and device
+(``DIR/engine_delta_trace.{json,txt}``; that update's time includes the profiler).
 
 Usage: ``python benchmarks/bench_delta.py [--preset small] [--repeats 3] [--quantization fp8_block]``.
 Results: ``benchmarks/results/delta_<tag>.{json,md}``.
@@ -126,6 +128,28 @@ def _connect(rank: int, spec: dict[str, Any]) -> tuple[Any, Any]:
     return receiver, engine
 
 
+def _traced(fn: Any, out_dir: str) -> Any:
+    """``fn()`` under torch.profiler (host and, on CUDA, device activity): its trace goes to
+    ``out_dir/engine_delta_trace.json`` (chrome://tracing, Perfetto) and its operator tables, by host
+    and by device self time, to ``out_dir/engine_delta_trace.txt``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        out = fn()
+        if cuda:
+            torch.cuda.synchronize()  # the update's queued device work inside the trace
+    where = Path(out_dir)
+    where.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(where / "engine_delta_trace.json"))
+    table = prof.key_averages()
+    text = [table.table(sort_by="self_cpu_time_total", row_limit=50)]
+    if cuda:
+        text.append(table.table(sort_by="self_device_time_total", row_limit=50))
+    (where / "engine_delta_trace.txt").write_text("\n\n".join(text))
+    return out
+
+
 def _sync(spec: dict[str, Any]) -> None:
     if spec["device"] == "cuda":
         torch.cuda.synchronize()
@@ -142,11 +166,13 @@ def _bench_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
         # Only the deltas under the profiler (per scenario: the first full update, then per direction
         # the delta, the plain full sync and the full update recording the base, as the sender sends them).
         prof = cProfile.Profile() if spec.get("profile_deltas") else None
-        for i in range(n * (1 + 6 * repeats)):
+        total = n * (1 + 6 * repeats)
+        traced = total - 3 if spec.get("trace_deltas") else -1  # the run's last delta (warm)
+        for i in range(total):
             is_delta = i % (1 + 6 * repeats) % 3 == 1
             if prof is not None and is_delta:
                 prof.enable()
-            report = end.receive_update()
+            report = _traced(end.receive_update, spec["trace_deltas"]) if i == traced else end.receive_update()
             if prof is not None and is_delta:
                 prof.disable()
             stats = end._delta_base.last_stats
@@ -359,6 +385,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="write a cProfile of each rank to DIR/rank<N>.prof (times include the profiler)")
     p.add_argument("--profile-deltas", default=None, metavar="DIR",
                    help="write a cProfile of the engine's delta updates only to DIR/engine_deltas.prof")
+    p.add_argument("--trace-deltas", default=None, metavar="DIR",
+                   help="write a torch.profiler trace of the engine's last delta to DIR/engine_delta_trace.{json,txt}")
     args = p.parse_args(argv)
     cuda = args.device == "cuda"
     backend = args.backend or ("ipc" if cuda else "gloo")
@@ -375,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
                 "backend": backend, "delta_base": delta_base, "engine_base": engine_base,
                 "adam": not args.no_adam,
                 "num_scenarios": (0 if args.no_adam else len(LRS)) + len(densities), "densities": densities, "profile": args.profile,
-                "profile_deltas": args.profile_deltas,
+                "profile_deltas": args.profile_deltas, "trace_deltas": args.trace_deltas,
                 "threads": args.threads}
         out = run_distributed(bench_rank, 2, spec, timeout_s=3600)
     rows = out[0]["rows"]

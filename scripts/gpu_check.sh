@@ -3,7 +3,7 @@
 #
 #   bash scripts/gpu_check.sh [limits] [tests] [quant] [reload] [moe] [offload_update] [offload] [transport]
 #                          [multi] [async] [async_gloo] [delta] [tests_quick] [reload8b] [offload_fp8] [transport_zc]
-#                          [delta_profile] [delta_decode] (default: all but the last nine)
+#                          [delta_profile] [delta_decode] [delta_trace] (default: all but the last ten)
 #   (transport = transport_ipc transport_sweep transport_nccl, delta = delta_small delta8b: each also a phase of its own)
 #   bash scripts/gpu_check.sh peers   (opt-in: bench_peers.py, weight_sync next to checkpoint-engine from .whl/)
 #
@@ -133,6 +133,10 @@ for phase in "${phases[@]}"; do
     delta_decode)  # issue 18: the batched decode's host cost per payload, device payloads vs the same bytes on the host
       step bench_delta_decode 150 python3 benchmarks/bench_delta_decode.py --device cuda --preset qwen3-8b \
         --densities 0,0.02 --repeats 5 --tag ${G}_8b ;;
+    delta_trace)  # issue 18: host and device timeline of the 0.6B engine's last delta (torch.profiler)
+      step bench_delta_trace 150 python3 benchmarks/bench_delta.py --device cuda --quantization fp8_block \
+        --preset qwen3-0.6b --no-adam --densities 0.02 --repeats 2 --trace-deltas gpu_out/delta_trace \
+        --tag ${G}_fp8_block_traced ;;
     peers)  # issue 15.4: pinned host -> one GPU, weight_sync next to checkpoint-engine and the pinned H2D bound
       step bench_peers 560 python3 benchmarks/bench_peers.py --tag ${G} --profile ;;
     *) echo "unknown phase $phase"; status=2 ;;
