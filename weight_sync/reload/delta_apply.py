@@ -431,9 +431,11 @@ class InPlaceUpdate:
         if self._slot_of:
             rows = {dev: sums.tolist() for dev, sums in self._sum_slots.items()}
             slot_rows = {tid: rows[dev][slot] for tid, (dev, slot) in self._slot_of.items()}
-        for t in items:
+        # Each tensor's (address, dtype, shape) once: compared with the cache here, kept with its checksum below.
+        sigs = [(t.data_ptr(), t.dtype, tuple(t.shape)) for t in items]
+        for t, sig in zip(items, sigs):
             c = cache.get(id(t))
-            if c is None or id(t) in self._dirty or c[:3] != (t.data_ptr(), t.dtype, tuple(t.shape)):
+            if c is None or id(t) in self._dirty or c[:3] != sig:
                 todo.append(t)
             elif id(t) in self._sum_changes or id(t) in slot_rows:
                 listed = self._sum_changes.get(id(t))
@@ -458,7 +460,7 @@ class InPlaceUpdate:
                 lo = ((halves & MASK32) + d_weighted) & MASK32
                 known[id(t)] = ((hi << 32) | lo) ^ nbytes
         known.update(zip(map(id, todo), tensor_checksums(todo)))
-        self.pending_checksums = {id(t): (t.data_ptr(), t.dtype, tuple(t.shape), known[id(t)]) for t in items}
+        self.pending_checksums = {id(t): (*sig, known[id(t)]) for t, sig in zip(items, sigs)}
         out = fingerprint(model, known, named)
         self.seconds["fingerprint"] += time.perf_counter() - t0
         return out
