@@ -48,6 +48,7 @@ from weight_sync.transport.delta_format import (
     FORM_PLAIN,
     FORM_SAME,
     MAGIC,
+    OFFSET16_BIAS,
     _align8,
     _forms,
     _offset_bytes,
@@ -117,15 +118,21 @@ class DeltaStats:
 
 def _pack_offsets(offsets: torch.Tensor, chunk_elems: int) -> torch.Tensor:
     if _offset_bytes(chunk_elems) == 2:
-        # 0..65535 shifted into int16's range (no uint16 arithmetic needed on either side).
-        return (offsets - 32768).to(torch.int16)
+        return (offsets - OFFSET16_BIAS).to(torch.int16)
     return offsets.to(torch.int32)
 
 
-def _unpack_offsets(raw: torch.Tensor, chunk_elems: int) -> torch.Tensor:
+def packed_offsets(raw: torch.Tensor, chunk_elems: int) -> tuple[torch.Tensor, int]:
+    """An index region's offsets as stored (an integer view of ``raw``, no copy) and what each is
+    stored less: an offset is ``view + bias``."""
     if _offset_bytes(chunk_elems) == 2:
-        return raw.view(torch.int16).to(torch.int64) + 32768
-    return raw.view(torch.int32).to(torch.int64)
+        return raw.view(torch.int16), OFFSET16_BIAS
+    return raw.view(torch.int32), 0
+
+
+def _unpack_offsets(raw: torch.Tensor, chunk_elems: int) -> torch.Tensor:
+    off, bias = packed_offsets(raw, chunk_elems)
+    return off.to(torch.int64) + bias if bias else off.to(torch.int64)
 
 
 def _plain_positions(plain_chunks: torch.Tensor, chunk_elems: int, numel: int, dev: torch.device,

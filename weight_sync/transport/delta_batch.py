@@ -29,11 +29,11 @@ from weight_sync.transport.delta import (
     Checks,
     _bits,
     _divmod,
-    _offset_bytes,
     _parse,
     _Parsed,
     decode_delta,
     decode_parsed,
+    packed_offsets,
     raise_failed,
     read_heads,
 )
@@ -130,14 +130,13 @@ def _decode_group(group: list[_Item], ce: int, dev: torch.device, checks: Checks
     total_index = sum(it.parsed.n_index for it in group)
     if total_index:
         raw = torch.cat([it.parsed.regions[1] for it in group if it.parsed.regions[1].numel()])
-        # Each change's chunk start, repeated, plus its offset added in place from the packed integers:
-        # two passes over the positions instead of five (at 2% of an 8B model they are 164 M int64s).
-        # int16 offsets are stored less 32768 (_unpack_offsets); int32 ones as they are.
-        short = _offset_bytes(ce) == 2
-        off = raw.view(torch.int16) if short else raw.view(torch.int32)
+        # Each change's chunk start (plus the offsets' storage bias), repeated, and its offset added in
+        # place from the packed integers: two passes over the positions instead of five (at 2% of an 8B
+        # model they are 164 M int64s).
+        off, bias = packed_offsets(raw, ce)
         if ce < 1 << 16:
-            checks.append(((off >= ce - 32768).any(), f"an index offset is outside its chunk of {ce} elements"))
-        start = ix_chunk * ce + 32768 if short else ix_chunk * ce
+            checks.append(((off >= ce - bias).any(), f"an index offset is outside its chunk of {ce} elements"))
+        start = ix_chunk * ce + bias
         ipos_all = torch.repeat_interleave(start, ix_count, output_size=total_index).add_(off)
         if total_index > 1:
             # Increasing inside each tensor; a tensor's first offset follows another tensor's last.

@@ -23,6 +23,7 @@ from weight_sync.transport.delta_format import (
     FORM_INDEX,
     FORM_PLAIN,
     MAGIC,
+    OFFSET16_BIAS,
     _align8,
     _forms,
     _offset_bytes,
@@ -110,7 +111,7 @@ def encode_cpu(vals: np.ndarray, old: np.ndarray, ce: int, item: int, *, advance
         if n_ix:
             sel, v = pick(FORM_INDEX)
             within = sel & (ce - 1) if ce & (ce - 1) == 0 else sel % ce
-            offsets = (within - 32768).astype(np.int16) if _offset_bytes(ce) == 2 else within.astype(np.int32)
+            offsets = (within - OFFSET16_BIAS).astype(np.int16) if _offset_bytes(ce) == 2 else within.astype(np.int32)
             offsets = offsets.view(np.uint8)
             vals_parts.append(v)
         if vals_parts:
@@ -151,7 +152,7 @@ def sparse_positions_cpu(p: _Parsed, numel: int) -> tuple[torch.Tensor, torch.Te
             ipos = native.index_positions(chunks, counts[chunks], raw, _offset_bytes(ce), ce)
         else:
             if _offset_bytes(ce) == 2:
-                off = raw.view(np.int16).astype(np.int64) + 32768
+                off = raw.view(np.int16).astype(np.int64) + OFFSET16_BIAS
             else:
                 off = raw.view(np.int32).astype(np.int64)
             if ce < 1 << 16 and bool((off >= ce).any()):  # int16 offsets cannot exceed a 64 Ki chunk

@@ -30,6 +30,7 @@ from weight_sync.transport.delta_format import (
     FORM_INDEX,
     FORM_PLAIN,
     MAGIC,
+    OFFSET16_BIAS,
     _offset_bytes,
     forms_of_sizes,
 )
@@ -153,7 +154,7 @@ def encode_group(pairs: list[tuple[torch.Tensor, torch.Tensor]], chunk_elems: in
         r = torch.arange(num_changed, device=dev) - row[:, 0]
         keep = row[:, 4] == 0
         out.view(ints)[torch.where(keep, row[:, 1] + r, row[:, 1])] = staged_new[pos]
-        offsets = within - 32768 if ob == 2 else within
+        offsets = within - OFFSET16_BIAS if ob == 2 else within
         out.view(torch.int16 if ob == 2 else torch.int32)[torch.where(row[:, 3] == 1, row[:, 2] + r, row[:, 2])] = (
             offsets.to(torch.int16 if ob == 2 else torch.int32))
         bm_chunks = np.flatnonzero(is_bm)

@@ -24,6 +24,11 @@ def _align8(n: int) -> int:
     return (n + 7) // 8 * 8
 
 
+#: What a 2-byte index offset is stored less: 0..65535 shifted into int16's range (no uint16
+#: arithmetic needed on either side).
+OFFSET16_BIAS = 1 << 15
+
+
 def _offset_bytes(chunk_elems: int) -> int:
     """Width of an index chunk's offsets: 2 bytes while every offset fits 16 bits (chunks of up to
     64 Ki elements, the default), else 4. Halves the index bytes, the usual form at low density."""
