@@ -90,7 +90,7 @@ def test_weights_requantized_whole_after_the_bucket_equal_a_full_reload(
     # (alternating: the keys of a fused qkv / gate_up then meet both paths within one update).
     turns = itertools.cycle([True, False])
 
-    def rule(method: Any, base: torch.Tensor, q: torch.Tensor, num_changes: int) -> bool:
+    def rule(d: Any, num_changes: int) -> bool:
         return num_changes > 0 and (policy == "always" or next(turns))
 
     monkeypatch.setattr(delta_apply, "_requantize_whole", rule)

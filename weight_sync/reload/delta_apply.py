@@ -42,6 +42,7 @@ pace of the apply.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -101,6 +102,57 @@ def _as_int(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == torch.bool else t.view(_INT_OF_SIZE[t.dtype.itemsize])
 
 
+@dataclass(slots=True)
+class _LiveDst:
+    """A live target's destination, its views made once per route set (:meth:`DeltaApplier.live_dst`):
+    a delta writes hundreds of tensors, and each view costs a torch call of host time per update."""
+
+    target: Target
+    live: torch.Tensor  # the parameter or buffer (its identity and address checked on every use)
+    ptr: int
+    flat: torch.Tensor  # its elements as integers of its item size, flat
+    region: torch.Tensor  # the target's run of ``flat``
+    size: int
+    dtype: torch.dtype
+    device: torch.device
+
+
+@dataclass(slots=True)
+class _QuantDst:
+    """A quantized target's model-format copy and kernel tensors, made once per route set
+    (:meth:`DeltaApplier.quant_dst`)."""
+
+    target: Target
+    base: torch.Tensor  # the model-format copy (identity checked)
+    base_int: torch.Tensor  # its elements as integers, flat
+    q_param: torch.Tensor  # the live kernel tensors (identity and address checked)
+    s_param: torch.Tensor
+    ptrs: tuple[int, int]
+    q: torch.Tensor  # their detached views
+    s: torch.Tensor
+    method: OnlineQuantLinearMethod
+    # Changes from which the weight is requantized whole (_requantize_whole), None: never.
+    whole_from: int | None
+    # Whether the copy's dtype and device let its writes join the grouped launch.
+    base_dtype: torch.dtype
+    base_device: torch.device
+
+
+def _whole_from(method: OnlineQuantLinearMethod, base: torch.Tensor, q: torch.Tensor) -> int | None:
+    """The number of changes from which a weight is requantized whole (grouped, after the bucket) rather
+    than tile by tile / row by row; None: never. On CUDA, with its model-format copy on the kernel
+    tensors' device, block or per-channel fp8 scales, and on average at least one change per scale unit
+    (nearly every tile or row is then touched, and the per-weight launches and device sync of the
+    incremental path cost far more than one grouped pass over the weight)."""
+    if not (q.is_cuda and base.device == q.device and isinstance(method, Fp8LinearMethod)):
+        return None
+    granularity = method.config.granularity
+    if granularity == "block":
+        bn, bk = method.config.block_size
+        return -(-base.numel() // (bn * bk))
+    return base.shape[0] if granularity == "channel" else None
+
+
 def _reduces(mod: nn.Module) -> bool:
     """Whether a delta into ``mod``'s quantized weight takes part in a reduction over its TP group even
     when none of its own elements changed (a per-tensor scale shared by the ranks: another rank's change
@@ -110,19 +162,10 @@ def _reduces(mod: nn.Module) -> bool:
     return not local and not isinstance(method, Int8LinearMethod) and split_over_group(getattr(mod, "tp_group", None))
 
 
-def _requantize_whole(method: OnlineQuantLinearMethod, base: torch.Tensor, q: torch.Tensor, num_changes: int) -> bool:
+def _requantize_whole(d: _QuantDst, num_changes: int) -> bool:
     """Whether a weight with ``num_changes`` changed elements is requantized whole (grouped, after the
-    bucket) rather than tile by tile / row by row: on CUDA, with its model-format copy on the kernel
-    tensors' device, block or per-channel fp8 scales, and on average at least one change per scale
-    unit (nearly every tile or row is then touched, and the per-weight launches and device sync of
-    the incremental path cost far more than one grouped pass over the weight)."""
-    if not (q.is_cuda and base.device == q.device and isinstance(method, Fp8LinearMethod)):
-        return False
-    granularity = method.config.granularity
-    if granularity == "block":
-        bn, bk = method.config.block_size
-        return num_changes * bn * bk >= base.numel()
-    return granularity == "channel" and num_changes >= base.shape[0]
+    bucket) rather than tile by tile / row by row (the threshold: :func:`_whole_from`)."""
+    return d.whole_from is not None and num_changes >= d.whole_from
 
 
 class InPlaceUpdate:
@@ -335,19 +378,18 @@ class InPlaceUpdate:
                  grouped: bool = False) -> None:
         if not idx.numel():
             return  # nothing of this key changed here
-        live = live_tensor(info.module, t.tensor)
-        assert live is not None  # routed only to existing live tensors
-        region = _as_int(live.detach().view(-1)[t.dst_offset : t.dst_offset + t.numel])
-        idx = idx.to(region.device)
-        if live.dtype != dtype:
+        d = self.applier.live_dst(info, t)
+        live, region = d.live, d.region
+        idx = idx.to(d.device)
+        if d.dtype != dtype:
             # The session's copy converts (a bf16 wire into an fp32 norm): so does this, element by
             # element, which is what the whole copy does to the changed elements.
-            v = _as_int(v.view(dtype).to(region.device).to(live.dtype))
+            v = _as_int(v.view(dtype).to(d.device).to(d.dtype))
         else:
-            v = v.to(region.device)
+            v = v.to(d.device)
         self.touched.add(info.name)
-        size = live.element_size()
-        if region.device.type == "cpu":
+        size = d.size
+        if d.device.type == "cpu":
             # numpy (or one native pass: gather, write and checksum move together): a fraction of torch's
             # per-call overhead, and this runs for every tensor of a delta.
             r, i, new = region.numpy(), idx.numpy(), v.numpy()
@@ -362,45 +404,37 @@ class InPlaceUpdate:
                 self._element_snaps.append((region, idx, torch.from_numpy(old_np)))
         elif grouped:
             # Written with the call's other live writes of this item size (_write_queued).
-            flat = _as_int(live.detach().view(-1))
-            self._live_queue.setdefault(size, []).append((ScatterWrite(flat, t.dst_offset, idx, v), live, region))
+            self._live_queue.setdefault(size, []).append((ScatterWrite(d.flat, t.dst_offset, idx, v), live, region))
         else:
             self._write_live(live, region, idx, v, t.dst_offset)
 
     def _requantize(self, info: LayerInfo, t: Target, idx: torch.Tensor, v: torch.Tensor, dtype: torch.dtype,
                     grouped: bool = False) -> None:
         mod = info.module
-        base = self.applier.bases.get((info.name, t.tensor))
-        if base is None:
-            raise LayoutMismatchError(
-                f"{info.name}.{t.tensor}: a delta needs the model-format copy recorded by the last full "
-                "update, found none"
-            )
-        q, s = live_tensor(mod, "weight"), live_tensor(mod, "weight_scale")
-        assert q is not None and s is not None  # checked when routed
-        if not idx.numel() and not _reduces(mod):
+        d = self.applier.quant_dst(info, t)
+        n = idx.numel()
+        if not n and not _reduces(mod):
             return  # nothing of this key changed, and no peer waits on a scale reduction of it
         if self.session.rollback and info.name not in self._whole_snaps:
-            self._whole_snaps[info.name] = [(x, x.detach().to("cpu", copy=True)) for x in (q, s)]
+            self._whole_snaps[info.name] = [(x, x.detach().to("cpu", copy=True)) for x in (d.q_param, d.s_param)]
         self.touched.add(info.name)
-        self._dirty.update((id(q), id(s)))
-        method = mod.quant_method
-        assert isinstance(method, OnlineQuantLinearMethod)  # checked when routed
+        self._dirty.update((id(d.q_param), id(d.s_param)))
+        base = d.base
         key = (info.name, t.tensor)
-        if key in self._whole or _requantize_whole(method, base, q, idx.numel()):
+        if key in self._whole or _requantize_whole(d, n):
             # Dense changes on the device: write them into the copy now and requantize it whole in
             # flush(), grouped with the other such weights of the bucket. Bitwise what the tile path
             # gives (both equal quantize(copy)), at a fraction of its launches and without its sync.
             # Once a weight waits here, later keys of it (q, k, v of one fused qkv) wait too: the tile
             # path's absmax state describes the copy as its scales do, which the written changes left.
-            if grouped and base.dtype == dtype and base.device == v.device and idx.device == v.device:
+            if grouped and d.base_dtype == dtype and d.base_device == v.device and idx.device == v.device:
                 # Written with the call's other such writes before flush() (_write_queued).
                 self._copy_queue.setdefault(base.element_size(), []).append(
-                    ScatterWrite(_as_int(base.view(-1)), t.dst_offset, idx, v))
+                    ScatterWrite(d.base_int, t.dst_offset, idx, v))
             else:
                 at = idx + t.dst_offset if t.dst_offset else idx
                 base.view(-1)[at.to(base.device)] = v.view(dtype).to(base.device, base.dtype)
-            self._whole[key] = (method, base, q.detach(), s.detach())  # flush() drops its absmax state
+            self._whole[key] = (d.method, base, d.q, d.s)  # flush() drops its absmax state
             self.num_requantized += 1
             self.num_whole += 1
             return
@@ -408,11 +442,11 @@ class InPlaceUpdate:
         if absmax is None:
             # The first delta since the copy was recorded: block scales give it without a read of the
             # copy (a 2-byte base), a per-tensor scale from one read; later deltas keep it current.
-            absmax = delta_absmax(method, base, s.detach())
+            absmax = delta_absmax(d.method, base, d.s)
             if absmax is not None:
                 self.applier.absmax[key] = absmax
         at = idx + t.dst_offset if t.dst_offset else idx
-        apply_quantized_delta_(method, base, at, v.view(dtype).to(base.dtype), q.detach(), s.detach(),
+        apply_quantized_delta_(d.method, base, at, v.view(dtype).to(base.dtype), d.q, d.s,
                                getattr(mod, "tp_group", None), absmax=absmax)
         self.num_requantized += 1
 
@@ -505,6 +539,8 @@ class DeltaApplier:
         self.checksums: dict[int, tuple[int, torch.dtype, tuple[int, ...], int]] = {}
         # The routes of the last delta update and what they were derived from (see routes_for).
         self._routes: tuple[tuple[Any, ...], dict[str, tuple[Target, ...] | None]] | None = None
+        # Per target of those routes (by id; the entry names its target): its destination's views.
+        self._dst: dict[int, _LiveDst | _QuantDst] = {}
 
     def routes_for(self, session: Any, mode: str) -> dict[str, tuple[Target, ...] | None]:
         """Every expected key's route for an update of ``session`` (a copy the update may extend).
@@ -518,10 +554,12 @@ class DeltaApplier:
         state, plan, names = session.state, session.plan, session.expected or frozenset()
         if mode != "delta":
             self._routes = None
+            self._dst = {}
             return plan_routes(state, plan, names)
         key = self.route_key(session)
         if self._routes is None or self._routes[0] != key:
             self._routes = (key, plan_routes(state, plan, names))
+            self._dst = {}
         return dict(self._routes[1])
 
     @staticmethod
@@ -538,6 +576,44 @@ class DeltaApplier:
         gives ``key`` (its begin's): the first delta after a full update then plans none again."""
         if self.route_key(session) == key:
             self._routes = (key, routes)
+            self._dst = {}
+
+    def live_dst(self, info: LayerInfo, t: Target) -> _LiveDst:
+        """``t``'s live tensor and its views, made again when the tensor or its storage is not the one
+        they were made of (a parameter replaced, or its ``.data`` swapped)."""
+        live = live_tensor(info.module, t.tensor)
+        assert live is not None  # routed only to existing live tensors
+        d = self._dst.get(id(t))
+        if type(d) is _LiveDst and d.target is t and d.live is live and d.ptr == live.data_ptr():
+            return d
+        flat = _as_int(live.detach().view(-1))
+        d = _LiveDst(t, live, live.data_ptr(), flat, flat[t.dst_offset : t.dst_offset + t.numel],
+                     live.element_size(), live.dtype, live.device)
+        self._dst[id(t)] = d
+        return d
+
+    def quant_dst(self, info: LayerInfo, t: Target) -> _QuantDst:
+        """``t``'s model-format copy and kernel tensors (made again when any of them is not the one the
+        entry was made of); refuses a target whose copy the last full update did not record."""
+        base = self.bases.get((info.name, t.tensor))
+        if base is None:
+            raise LayoutMismatchError(
+                f"{info.name}.{t.tensor}: a delta needs the model-format copy recorded by the last full "
+                "update, found none"
+            )
+        mod = info.module
+        q, s = live_tensor(mod, "weight"), live_tensor(mod, "weight_scale")
+        assert q is not None and s is not None  # checked when routed
+        d = self._dst.get(id(t))
+        if (type(d) is _QuantDst and d.target is t and d.base is base and d.q_param is q and d.s_param is s
+                and d.ptrs == (q.data_ptr(), s.data_ptr())):
+            return d
+        method = mod.quant_method
+        assert isinstance(method, OnlineQuantLinearMethod)  # checked when routed
+        d = _QuantDst(t, base, _as_int(base.view(-1)), q, s, (q.data_ptr(), s.data_ptr()), q.detach(), s.detach(),
+                      method, _whole_from(method, base, q), base.dtype, base.device)
+        self._dst[id(t)] = d
+        return d
 
     @property
     def nbytes(self) -> int:
@@ -569,3 +645,4 @@ class DeltaApplier:
         self.checksums = {}
         self.absmax = {}
         self._routes = None
+        self._dst = {}
