@@ -42,7 +42,7 @@ from weight_sync.transport.delta_format import _INT_OF_SIZE, FORM_PLAIN, MAGIC
 __all__ = ["decode_deltas", "decode_together", "parse_many"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, eq=False)  # not frozen: its __init__ runs per payload of every delta
 class _Item:
     index: int  # into the caller's list
     parsed: _Parsed
@@ -152,11 +152,13 @@ def _decode_group(group: list[_Item], ce: int, dev: torch.device, checks: Checks
     lasts, limits = [], []
     b_at = i_at = 0
     out = []
-    for it in group:
-        # (Sizes from the tables: a torch call per tensor, even numel(), is what this loop avoids.)
-        nb, ni = it.parsed.n_bits, it.parsed.n_index
-        bpos = bpos_all[b_at : b_at + nb] if nb else empty
-        ipos = ipos_all[i_at : i_at + ni] if ni else empty
+    # Each tensor's positions as views of the batch's lists, made by one split per list (a slice per
+    # tensor costs a torch call each).
+    n_bits = [it.parsed.n_bits for it in group]
+    n_index = [it.parsed.n_index for it in group]
+    bparts = bpos_all.split_with_sizes(n_bits) if total_bits else [empty] * len(group)
+    iparts = ipos_all.split_with_sizes(n_index) if total_index else [empty] * len(group)
+    for it, nb, ni, bpos, ipos in zip(group, n_bits, n_index, bparts, iparts):
         b_at += nb
         i_at += ni
         if nb:
@@ -230,25 +232,22 @@ def parse_many(items: list[tuple[torch.Tensor, int, torch.dtype]]) -> list[_Pars
     ends = region_at[:, :4] + lengths
     rows = zip(usable.tolist(), region_at.tolist(), ends.tolist(), chunk_at.tolist(), chunk_at[1:].tolist(),
                ce.tolist(), nc.tolist(), per[:, FORM_PLAIN].tolist(), n_bits.tolist(), n_index.tolist())
-    empty: dict[torch.dtype, torch.Tensor] = {}
     dev = items[0][0].device if items else None
+    e8 = torch.empty(0, dtype=torch.uint8, device=dev)
+    empty: dict[torch.dtype, torch.Tensor] = {torch.uint8: e8}
     for i, ((payload, n, dtype), (ok, a, e, lo, hi, ce_i, nc_i, plain, bits, index)) in enumerate(zip(items, rows)):
         if not ok:
             out[i] = _parse(payload, n, dtype, heads[i])
             continue
-        int_dtype = _INT_OF_SIZE[dtype.itemsize] if dtype != torch.bool else torch.uint8
-        regions = []
-        for k in range(4):
-            want = torch.uint8 if k < 2 else int_dtype
-            if a[k] == e[k]:
-                r = empty.get(want)
-                if r is None:
-                    r = empty[want] = torch.empty(0, dtype=want, device=dev)
-            else:
-                r = payload[a[k] : e[k]]
-                if k >= 2 and want is not torch.uint8:
-                    r = r.view(want)
-            regions.append(r)
-        out[i] = _Parsed(ce_i, nc_i, form[lo:hi], counts[lo:hi], tuple(regions),  # type: ignore[arg-type]
-                         payload, plain, bits, index)
+        want = _INT_OF_SIZE[dtype.itemsize] if dtype != torch.bool else torch.uint8
+        none = empty.get(want)
+        if none is None:
+            none = empty[want] = torch.empty(0, dtype=want, device=dev)
+        a0, a1, a2, a3, _ = a
+        e0, e1, e2, e3 = e
+        # Unrolled over the four regions (bitmask, offsets: bytes; values, plain: the tensor's integers).
+        r2 = none if a2 == e2 else payload[a2:e2] if want is torch.uint8 else payload[a2:e2].view(want)
+        r3 = none if a3 == e3 else payload[a3:e3] if want is torch.uint8 else payload[a3:e3].view(want)
+        regions = (e8 if a0 == e0 else payload[a0:e0], e8 if a1 == e1 else payload[a1:e1], r2, r3)
+        out[i] = _Parsed(ce_i, nc_i, form[lo:hi], counts[lo:hi], regions, payload, plain, bits, index)
     return [p for p in out if p is not None]
