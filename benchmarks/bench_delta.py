@@ -135,7 +135,8 @@ def _traced(fn: Any, out_dir: str) -> Any:
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available()
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+    # with_stack: the trace's Python frames say which of our functions the host time is spent in.
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []), with_stack=True) as prof:
         out = fn()
         if cuda:
             torch.cuda.synchronize()  # the update's queued device work inside the trace
