@@ -197,3 +197,32 @@ def test_the_first_delta_after_a_full_update_reuses_its_routes_unless_the_update
     assert update("full", during=lambda: state.plan.add(state.plan.keys[name])) is None
     again = update("delta")
     assert again is not None and again is not kept and again[1] == kept[1]
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8_block"])
+def test_a_delta_writes_into_the_storage_a_tensor_has_now_not_the_one_an_earlier_delta_wrote(
+        qwen3_a: Path, quantization: Any) -> None:
+    # The applier keeps each target's views across deltas (host time): a parameter whose storage was
+    # swapped in between (same values, another address) must get the next delta's writes.
+    pair = _pair(qwen3_a, quantization)
+
+    def delta(seed: int) -> None:
+        old = pair["weights"]
+        new = {n: _changed(t, "random", torch.Generator().manual_seed(seed)) for n, t in old.items()}
+        pair["version"] += 1
+        session = DeltaSession(_session(pair["delta"], new, pair["version"]), pair["base"], "delta")
+        session.load([(n, encode_delta(new[n], old[n], chunk_elems=1024)) for n in new])
+        report = session.finish()
+        full = _session(pair["full"], new, pair["version"])
+        full.load(list(new.items()))
+        full.finish()
+        pair["weights"] = new
+        assert _bits_equal(_tensors(pair["delta"]), _tensors(pair["full"]))
+        assert report.fingerprint == pair["full"].fingerprint()
+
+    delta(11)
+    model = pair["delta"].model
+    layer = model.model.layers[0]
+    for p in (model.model.norm.weight, layer.self_attn.o_proj.weight, layer.mlp.down_proj.weight):
+        p.data = p.data.clone()  # same values, another address
+    delta(12)
