@@ -7,7 +7,7 @@ Manifests travel as JSON, never pickle. Checksums are cheap and computed where t
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -112,6 +112,11 @@ class TensorMeta:
             raise ManifestError(f"manifest entry {d!r} lacks field {e.args[0]!r}") from None
 
 
+# TensorMeta's slot setters (a frozen dataclass refuses setattr; its slots take values directly).
+_META_SLOTS = (TensorMeta.name.__set__, TensorMeta.dtype.__set__, TensorMeta.shape.__set__,  # type: ignore[attr-defined]
+               TensorMeta.checksum.__set__)  # type: ignore[attr-defined]
+
+
 @dataclass(frozen=True, slots=True)
 class Manifest:
     """An ordered list of :class:`TensorMeta`, announced before the data; names are unique."""
@@ -138,6 +143,31 @@ class Manifest:
         object.__setattr__(out, "tensors", self.tensors)
         object.__setattr__(out, "version", version)
         object.__setattr__(out, "_index", self._index)  # never mutated after __post_init__
+        return out
+
+    def as_bytes(self, nbytes: Sequence[int]) -> Manifest:
+        """The same names, order and version, entry ``i`` a 1-D uint8 tensor of ``nbytes[i]`` bytes (a
+        delta update's wire manifest: the sizes of its encodings). The names are not checked again (they
+        were, here) and the entries are made without ``TensorMeta``'s checks once the sizes passed
+        theirs: this runs for every call of every delta update, hundreds of entries."""
+        sizes = [int(n) for n in nbytes]
+        if len(sizes) != len(self.tensors):
+            raise ManifestError(f"{len(sizes)} encoded sizes for a manifest of {len(self.tensors)} tensors")
+        if sizes and min(sizes) < 0:
+            raise ManifestError(f"encoded sizes must be non-negative, got {min(sizes)}")
+        new, (set_name, set_dtype, set_shape, set_checksum) = object.__new__, _META_SLOTS
+        entries = []
+        for m, n in zip(self.tensors, sizes):
+            e = new(TensorMeta)
+            set_name(e, m.name)
+            set_dtype(e, torch.uint8)
+            set_shape(e, (n,))
+            set_checksum(e, None)
+            entries.append(e)
+        out = object.__new__(Manifest)
+        object.__setattr__(out, "tensors", tuple(entries))
+        object.__setattr__(out, "version", self.version)
+        object.__setattr__(out, "_index", self._index)  # same names in the same order; never mutated
         return out
 
     @classmethod

@@ -75,3 +75,19 @@ def test_a_manifest_out_of_block_order_is_rejected_with_the_first_misplaced_name
     with pytest.raises(ManifestError, match=r"position 1 holds 'model.layers.1.a', block order expects 'model.layers.0.b'"):
         check_block_order(["model.layers.0.a", "model.layers.1.a", "model.layers.0.b", "model.layers.1.b"])
     check_block_order(["model.embed.w", "model.layers.0.a", "model.layers.1.a", "model.norm.w"])
+
+
+def test_a_delta_wire_manifest_keeps_names_order_and_version_and_refuses_bad_sizes() -> None:
+    from weight_sync.manifest import Manifest
+    from weight_sync.transport.delta_sync import wire_manifest
+
+    manifest = Manifest(tuple(_model_metas(2, [64, 32, 16])), version=7)
+    sizes = [100 + i for i in range(len(manifest))]
+    wire = wire_manifest(manifest, sizes)
+    # Entries equal to checked ones: same names in the same order, uint8, one dimension of the encoded size.
+    assert list(wire) == [TensorMeta(m.name, torch.uint8, (n,)) for m, n in zip(manifest, sizes)]
+    assert wire.version == 7 and wire["lm_head.weight"].shape == (100 + len(manifest) - 1,)
+    with pytest.raises(ManifestError, match=r"non-negative.*-1"):
+        wire_manifest(manifest, [*sizes[:-1], -1])
+    with pytest.raises(ManifestError, match="2 encoded sizes"):
+        wire_manifest(manifest, sizes[:2])

@@ -72,8 +72,7 @@ def wire_manifest(manifest: Manifest, wire_nbytes: list[int]) -> Manifest:
     """The manifest the buckets are cut from in a delta update: each tensor as its uint8 encoding."""
     if len(wire_nbytes) != len(manifest):
         raise ManifestError(f"delta header lists {len(wire_nbytes)} encoded sizes for {len(manifest)} tensors")
-    return Manifest(tuple(TensorMeta(m.name, torch.uint8, (int(n),)) for m, n in zip(manifest, wire_nbytes)),
-                    version=manifest.version)
+    return manifest.as_bytes(wire_nbytes)
 
 
 def is_delta_refusal(error: BaseException) -> bool:
