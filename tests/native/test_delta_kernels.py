@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+import torch
 
 from weight_sync import native
 from weight_sync.errors import LayoutMismatchError
@@ -141,3 +142,29 @@ def test_without_a_compiler_or_when_turned_off_the_numpy_paths_are_used(tmp_path
     env = {**os.environ, "WEIGHT_SYNC_NATIVE": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_a_scatter_of_tensors_gives_what_the_scatter_of_arrays_gives_and_refuses_the_same_input() -> None:
+    rng = np.random.default_rng(5)
+    dst = rng.integers(0, 256, 8192, dtype=np.uint8).view(np.int16)
+    pos = np.sort(rng.choice(dst.size, 500, replace=False)).astype(np.int64)
+    vals = rng.integers(0, 256, pos.size * 2, dtype=np.uint8).view(np.int16)
+    t_dst, orig = torch.from_numpy(dst.copy()), dst.copy()
+    want_old, want_sums = native.scatter(dst, pos, vals, 6)
+    old, sums = native.scatter_tensors(t_dst, torch.from_numpy(pos), torch.from_numpy(vals), 6)
+    assert np.array_equal(t_dst.numpy(), dst) and np.array_equal(old.numpy(), want_old)
+    assert sums.tolist() == want_sums.tolist()
+    # Strided positions and values are read as their elements, not their storage.
+    t_dst2 = torch.from_numpy(dst.copy())
+    wide_pos = torch.stack([torch.from_numpy(pos), torch.zeros(pos.size, dtype=torch.int64)], 1)[:, 0]
+    wide_vals = torch.stack([torch.zeros(pos.size, dtype=torch.int16), torch.from_numpy(want_old)], 1)[:, 1]
+    native.scatter_tensors(t_dst2, wide_pos, wide_vals, 6)  # writes the old values back
+    assert not wide_pos.is_contiguous() and np.array_equal(t_dst2.numpy(), orig)
+    before = t_dst2.clone()
+    with pytest.raises(LayoutMismatchError, match="outside the destination's 4096 elements"):
+        native.scatter_tensors(t_dst2, torch.tensor([3, 4096]), torch.tensor([7, 7], dtype=torch.int16), 0)
+    with pytest.raises(LayoutMismatchError, match=r"values of torch\.int32 for 2 positions"):
+        native.scatter_tensors(t_dst2, torch.tensor([3, 4]), torch.tensor([7, 7], dtype=torch.int32), 0)
+    with pytest.raises(LayoutMismatchError, match="flat and contiguous"):
+        native.scatter_tensors(t_dst2.view(64, 64).t(), torch.tensor([3]), torch.tensor([7], dtype=torch.int16), 0)
+    assert torch.equal(t_dst2, before)

@@ -30,10 +30,12 @@ import threading
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from weight_sync.errors import LayoutMismatchError
 
-__all__ = ["bitmask_positions", "delta_scan", "enabled", "index_positions", "library", "scatter", "simd"]
+__all__ = ["bitmask_positions", "delta_scan", "enabled", "index_positions", "library", "scatter", "scatter_tensors",
+           "simd"]
 
 log = logging.getLogger(__name__)
 
@@ -202,6 +204,33 @@ def scatter(dst: np.ndarray, pos: np.ndarray, vals: np.ndarray, byte_base: int) 
         raise LayoutMismatchError(f"delta scatter: item size {dst.dtype.itemsize} is not 1, 2, 4 or 8 bytes")
     if rc == -2:
         raise LayoutMismatchError(f"delta scatter: a position lies outside the destination's {dst.size} elements")
+    return old, sums
+
+
+def scatter_tensors(dst: torch.Tensor, pos: torch.Tensor, vals: torch.Tensor, byte_base: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`scatter` of CPU tensors (``dst`` flat and contiguous, of an integer dtype; ``pos`` int64;
+    ``vals`` of ``dst``'s dtype), returning tensors: the overwritten values and the int64 checksum move.
+    The delta apply's path: it holds tensors, and making numpy arrays of them, and reading their
+    addresses through numpy, cost several times the call itself for the small tensors of a delta."""
+    lib = _need(library())
+    if vals.dtype != dst.dtype or vals.numel() != pos.numel() or pos.dtype != torch.int64:
+        raise LayoutMismatchError(f"delta scatter: {vals.numel()} values of {vals.dtype} for {pos.numel()} "
+                                  f"positions ({pos.dtype}) of a {dst.dtype} destination")
+    if not (dst.is_cpu and pos.is_cpu and vals.is_cpu and dst.is_contiguous()) or dst.dim() != 1:
+        raise LayoutMismatchError(
+            "delta scatter: the destination, positions and values must be CPU tensors and the destination "
+            f"flat and contiguous; got a destination of shape {tuple(dst.shape)} on {dst.device}")
+    pos, vals = pos.contiguous(), vals.contiguous()
+    old = torch.empty_like(vals)
+    sums = torch.zeros(2, dtype=torch.int64)
+    item = dst.element_size()
+    rc = lib.ws_scatter(dst.data_ptr(), dst.numel(), pos.data_ptr(), vals.data_ptr(), pos.numel(), item,
+                        byte_base, old.data_ptr(), sums.data_ptr())
+    if rc == -1:
+        raise LayoutMismatchError(f"delta scatter: item size {item} is not 1, 2, 4 or 8 bytes")
+    if rc == -2:
+        raise LayoutMismatchError(f"delta scatter: a position lies outside the destination's {dst.numel()} elements")
     return old, sums
 
 

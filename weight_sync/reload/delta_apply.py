@@ -392,16 +392,17 @@ class InPlaceUpdate:
         if d.device.type == "cpu":
             # numpy (or one native pass: gather, write and checksum move together): a fraction of torch's
             # per-call overhead, and this runs for every tensor of a delta.
-            r, i, new = region.numpy(), idx.numpy(), v.numpy()
             if native.enabled():
-                old_np, sums = native.scatter(r, i, new, t.dst_offset * size)
+                old, moved = native.scatter_tensors(region, idx, v, t.dst_offset * size)
             else:
+                r, i, new = region.numpy(), idx.numpy(), v.numpy()
                 old_np = r[i]
                 r[i] = new
-                sums = checksum_change_np((i + t.dst_offset) * size, old_np, new, size)
-            self._sum_changes.setdefault(id(live), []).append(torch.from_numpy(sums))
+                old = torch.from_numpy(old_np)
+                moved = torch.from_numpy(checksum_change_np((i + t.dst_offset) * size, old_np, new, size))
+            self._sum_changes.setdefault(id(live), []).append(moved)
             if self.session.rollback:
-                self._element_snaps.append((region, idx, torch.from_numpy(old_np)))
+                self._element_snaps.append((region, idx, old))
         elif grouped:
             # Written with the call's other live writes of this item size (_write_queued).
             self._live_queue.setdefault(size, []).append((ScatterWrite(d.flat, t.dst_offset, idx, v), live, region))
