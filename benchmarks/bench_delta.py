@@ -290,7 +290,7 @@ def _cpu_kernels() -> str:
 
     if not native.enabled():
         return "numpy"
-    return "native, AVX-512" if native.simd() else "native, portable"
+    return f"native, {native.scan_kind()}"
 
 
 def _markdown(result: dict[str, Any]) -> str:

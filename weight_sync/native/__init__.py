@@ -34,8 +34,8 @@ import torch
 
 from weight_sync.errors import LayoutMismatchError
 
-__all__ = ["bitmask_positions", "delta_scan", "enabled", "index_positions", "library", "scatter", "scatter_tensors",
-           "simd"]
+__all__ = ["bitmask_positions", "delta_scan", "enabled", "index_positions", "library", "scan_kind", "scatter",
+           "scatter_tensors", "simd"]
 
 log = logging.getLogger(__name__)
 
@@ -133,12 +133,17 @@ def enabled() -> bool:
 
 
 def simd(enable: bool | None = None) -> bool:
-    """Whether the scans use this CPU's vector extensions (AVX-512 where it has them); ``enable``
-    switches them first (False: the portable loops, which must give the same results)."""
+    """Whether the scans use this CPU's vector extensions (AVX-512, else AVX2, where it has them);
+    ``enable`` switches them first (False: the portable loops, which must give the same results)."""
     lib = _need(library())
     if enable is not None:
         lib.ws_init(int(enable))
     return bool(lib.ws_simd())
+
+
+def scan_kind() -> str:
+    """The scan 16-bit tensors (bf16) take here: ``"AVX-512"``, ``"AVX2"`` or ``"portable"``."""
+    return ("portable", "AVX2", "AVX-512")[_need(library()).ws_simd()]
 
 
 def _ptr(a: np.ndarray) -> int:

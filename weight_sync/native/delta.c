@@ -8,6 +8,10 @@
 #include <stdint.h>
 #include <string.h>
 
+/* Each byte's set bits (ascending, 8 entries: the rest 0), their count, and the byte shuffle that gathers
+ * those 16-bit elements of 8 to the front: filled by ws_init. */
+static uint8_t bit_table[256][8], bit_count[256], shuffle16[256][16];
+
 /* OR of a ^ b over `nwords` 8-byte words: zero exactly when the bytes are equal (vectorizes). */
 static inline uint64_t diff_words(const unsigned char *a, const unsigned char *b, int nwords) {
     uint64_t acc = 0;
@@ -66,7 +70,7 @@ SCAN(uint64_t, scan8)
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
-#define WS_AVX512 1
+#define WS_X86_SIMD 1
 /* scan2 with AVX-512 (BW for the compare, VBMI2 for the 16-bit compress): 32 elements per step, their
  * changed values and positions compressed in registers and stored whole (the buffers have 64 entries of
  * slack past `cap`), so the cost is the two loads whatever the density. */
@@ -104,9 +108,63 @@ scan2_avx512(const uint16_t *restrict a, uint16_t *restrict b, int64_t n, int64_
     *next = c;
     return k;
 }
+
+/* scan2 with AVX2 (x86-64 hosts without AVX-512, CI's among them): 64 elements per step, skipped whole
+ * when equal; in a changed group of 16, each half's 8 elements are compressed through tables of the
+ * mask byte's set bits (their positions widened and stored as two vectors, their values gathered by one
+ * byte shuffle), so a change costs three vector stores shared with its half's other changes instead of
+ * a scalar store per element of the group. */
+__attribute__((target("avx2,popcnt"))) static inline int64_t
+emit8_avx2(__m128i x, unsigned mb, int64_t at, int64_t *restrict pos, uint16_t *restrict vals, int64_t k) {
+    __m128i bits = _mm_loadl_epi64((const __m128i *)bit_table[mb]);
+    __m256i base = _mm256_set1_epi64x(at);
+    _mm256_storeu_si256((__m256i *)(pos + k), _mm256_add_epi64(base, _mm256_cvtepu8_epi64(bits)));
+    _mm256_storeu_si256((__m256i *)(pos + k + 4), _mm256_add_epi64(base, _mm256_cvtepu8_epi64(_mm_srli_si128(bits, 4))));
+    _mm_storeu_si128((__m128i *)(vals + k), _mm_shuffle_epi8(x, _mm_loadu_si128((const __m128i *)shuffle16[mb])));
+    return k + bit_count[mb];
+}
+
+__attribute__((target("avx2,popcnt"))) static int64_t
+scan2_avx2(const uint16_t *restrict a, uint16_t *restrict b, int64_t n, int64_t chunk, int64_t c0, int advance,
+           int64_t *restrict pos, uint16_t *restrict vals, int64_t cap, int64_t *restrict counts,
+           int64_t *restrict next) {
+    int64_t k = 0, nchunks = (n + chunk - 1) / chunk, c;
+    for (c = c0; c < nchunks; c++) {
+        int64_t lo = c * chunk, hi = lo + chunk < n ? lo + chunk : n, k0 = k, i = lo;
+        if (k + (hi - lo) > cap) break;
+        for (; i + 64 <= hi; i += 64) {
+            __m256i x[4], eq[4];
+            for (int q = 0; q < 4; q++) {
+                x[q] = _mm256_loadu_si256((const __m256i *)(a + i + 16 * q));
+                eq[q] = _mm256_cmpeq_epi16(x[q], _mm256_loadu_si256((const __m256i *)(b + i + 16 * q)));
+            }
+            __m256i all = _mm256_and_si256(_mm256_and_si256(eq[0], eq[1]), _mm256_and_si256(eq[2], eq[3]));
+            if (_mm256_movemask_epi8(all) == -1) continue;
+            for (int q = 0; q < 4; q++) {
+                /* One bit per element, in element order: the 16-bit compares packed to bytes. */
+                __m128i lo8 = _mm256_castsi256_si128(x[q]), hi8 = _mm256_extracti128_si256(x[q], 1);
+                unsigned m = ~(unsigned)_mm_movemask_epi8(_mm_packs_epi16(_mm256_castsi256_si128(eq[q]),
+                                                                         _mm256_extracti128_si256(eq[q], 1))) & 0xFFFFu;
+                if (!m) continue;
+                k = emit8_avx2(lo8, m & 0xFF, i + 16 * q, pos, vals, k);
+                k = emit8_avx2(hi8, m >> 8, i + 16 * q + 8, pos, vals, k);
+                if (advance) _mm256_storeu_si256((__m256i *)(b + i + 16 * q), x[q]);
+            }
+        }
+        for (; i < hi; i++) {
+            pos[k] = i;
+            vals[k] = a[i];
+            k += a[i] != b[i];
+            if (advance) b[i] = a[i];
+        }
+        counts[c] = k - k0;
+    }
+    *next = c;
+    return k;
+}
 #endif
 
-static int use_avx512 = 0;
+static int use_avx512 = 0, use_avx2 = 0;
 
 /* The changed elements of `a` against `b` (n elements of `item` bytes) from chunk `c0` on: their
  * positions (ascending) and values, and the changed count of each chunk, until the chunks are done or
@@ -118,8 +176,9 @@ int64_t ws_delta_scan(const void *a, void *b, int64_t n, int item, int64_t chunk
     switch (item) {
     case 1: return scan1(a, b, n, chunk, c0, advance, pos, vals, cap, counts, next);
     case 2:
-#ifdef WS_AVX512
+#ifdef WS_X86_SIMD
         if (use_avx512) return scan2_avx512(a, b, n, chunk, c0, advance, pos, vals, cap, counts, next);
+        if (use_avx2) return scan2_avx2(a, b, n, chunk, c0, advance, pos, vals, cap, counts, next);
 #endif
         return scan2(a, b, n, chunk, c0, advance, pos, vals, cap, counts, next);
     case 4: return scan4(a, b, n, chunk, c0, advance, pos, vals, cap, counts, next);
@@ -206,22 +265,25 @@ int ws_index_positions(const int64_t *chunks, const int64_t *counts, int64_t nch
     return bad ? -1 : unordered ? -2 : 0;
 }
 
-static uint8_t bit_table[256][8], bit_count[256];
-
 /* Fills the table of each byte's set bits and picks the scan for this CPU; the loader calls it before
  * any kernel runs, and simd() again to switch scans. `allow_simd` 0 keeps the portable scans (the tests
  * compare both). */
 void ws_init(int allow_simd) {
-#ifdef WS_AVX512
+#ifdef WS_X86_SIMD
     __builtin_cpu_init();
     use_avx512 = allow_simd && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vbmi2");
+    use_avx2 = allow_simd && !use_avx512 && __builtin_cpu_supports("avx2");
 #else
     (void)allow_simd;
 #endif
     for (int v = 0; v < 256; v++) {
         int n = 0;
         for (int b = 0; b < 8; b++)
-            if (v >> b & 1) bit_table[v][n++] = (uint8_t)b;
+            if (v >> b & 1) {
+                shuffle16[v][2 * n] = (uint8_t)(2 * b);  /* the bytes of 16-bit element b */
+                shuffle16[v][2 * n + 1] = (uint8_t)(2 * b + 1);
+                bit_table[v][n++] = (uint8_t)b;
+            }
         bit_count[v] = (uint8_t)n;
     }
 }
@@ -244,5 +306,5 @@ int64_t ws_bitmask_positions(const uint8_t *bits, int64_t nbytes, const int64_t 
     return k;
 }
 
-/* Whether the scans use the CPU's vector extensions (1) or the portable loops (0). */
-int ws_simd(void) { return use_avx512; }
+/* Which scan the bf16 / 16-bit tensors take: 2 AVX-512, 1 AVX2, 0 the portable loops. */
+int ws_simd(void) { return use_avx512 ? 2 : use_avx2; }
