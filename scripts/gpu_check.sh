@@ -3,7 +3,7 @@
 #
 #   bash scripts/gpu_check.sh [limits] [tests] [quant] [reload] [moe] [offload_update] [offload] [transport]
 #                          [multi] [async] [async_gloo] [delta] [tests_quick] [reload8b] [offload_fp8] [transport_zc]
-#                          [delta_profile] [delta_decode] [delta_trace] (default: all but the last ten)
+#                          [delta_profile] [delta_decode] [delta_trace] [tests_delta] (default: all but the last eleven)
 #   (transport = transport_ipc transport_sweep transport_nccl, delta = delta_small delta8b: each also a phase of its own)
 #   bash scripts/gpu_check.sh peers   (opt-in: bench_peers.py, weight_sync next to checkpoint-engine from .whl/)
 #
@@ -115,8 +115,8 @@ for phase in "${phases[@]}"; do
       step bench_async_gloo 360 python3 benchmarks/bench_async.py --device cuda --preset qwen3-8b --batch 8 \
         --steps 1536 --every 512 --sources gloo --repeats 1 --tag ${G}_gloo ;;
     delta_small)  # issue 18: delta apply into an fp8_block engine over ipc against its full reload
-      step bench_delta 150 python3 benchmarks/bench_delta.py --device cuda --quantization fp8_block \
-        --preset qwen3-0.6b --no-adam --repeats 2 --tag ${G}_fp8_block ;;
+      step bench_delta 240 python3 benchmarks/bench_delta.py --device cuda --quantization fp8_block \
+        --preset qwen3-0.6b --no-adam --repeats 3 --tag ${G}_fp8_block ;;
     delta8b)
       # The Qwen3-8B shape at the transport's default bucket size (64 MiB); two densities fit its memory
       # (on an 80 GB H100 only with the sender's base in pinned host memory).
@@ -130,6 +130,9 @@ for phase in "${phases[@]}"; do
         --profile-deltas gpu_out/delta_8b_prof --tag ${G}_fp8_block_8b_profiled
       python3 -c "import pstats, sys; s = pstats.Stats(sys.argv[1]); s.sort_stats('cumulative').print_stats(70); s.sort_stats('tottime').print_stats(40)" \
         gpu_out/delta_8b_prof/engine_deltas.prof > gpu_out/delta_8b_prof/engine_deltas.txt 2>&1 ;;
+    tests_delta)  # issue 18: the delta path's GPU tests (decode, grouped scatter and requantization)
+      step tests_delta 300 python3 -m pytest tests/transport/test_delta_gpu.py tests/reload/test_scatter_many.py \
+        -q -p no:cacheprovider -rs ;;
     delta_decode)  # issue 18: the batched decode's host cost per payload, device payloads vs the same bytes on the host
       step bench_delta_decode 150 python3 benchmarks/bench_delta_decode.py --device cuda --preset qwen3-8b \
         --densities 0,0.02 --repeats 5 --tag ${G}_8b ;;
