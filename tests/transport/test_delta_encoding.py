@@ -66,7 +66,7 @@ random_changes = given(
     dtype=st.sampled_from(DTYPES),
     pattern=st.sampled_from(PATTERNS),
     numel=st.integers(0, 5000),
-    chunk_elems=st.sampled_from([8, 64, 1024, 1 << 16]),
+    chunk_elems=st.sampled_from([8, 64, 1000, 1024, 1 << 16, 1 << 17, 3 * (1 << 16) + 8]),
     density=st.floats(0.0, 0.3),
     seed=st.integers(0, 2**16),
 )
