@@ -37,8 +37,14 @@ def test_checksums_of_many_cuda_tensors_at_once_equal_their_cpu_checksums() -> N
     tensors += [torch.randn(300, 4096).to(torch.bfloat16), torch.randint(-2**31, 2**31 - 1, (65521 * 3 + 5,),
                                                                          dtype=torch.int32)]
     odd = torch.randn(1001).to(torch.bfloat16).cuda()[1:]
-    assert tensor_checksums([t.cuda() for t in tensors] + [odd]) == [tensor_checksum(t) for t in tensors] + [
-        tensor_checksum(odd.cpu())]
+    # Read in element order whatever the layout: transposed, and expanded (a stride of 0, as vLLM makes
+    # some scales); a 3-D tensor with a size-1 dimension of odd stride is contiguous and read in place.
+    transposed = torch.randn(64, 96).cuda().t()
+    expanded = torch.randn(1, 8).cuda().expand(4, 8)
+    size_one = torch.randn(6, 1, 8).cuda().as_strided((6, 1, 8), (8, 99, 1))
+    others = [odd, transposed, expanded, size_one]
+    assert tensor_checksums([t.cuda() for t in tensors] + others) == [tensor_checksum(t) for t in tensors] + [
+        tensor_checksum(t.cpu().contiguous()) for t in others]
 
 
 @pytest.mark.multi_gpu
