@@ -67,6 +67,18 @@ SCAN(uint64_t, scan8)
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
+
+/* A vector scan's last elements of a chunk [i, hi), one by one as the portable scan does them. */
+static inline int64_t tail2(const uint16_t *restrict a, uint16_t *restrict b, int64_t i, int64_t hi, int advance,
+                            int64_t *restrict pos, uint16_t *restrict vals, int64_t k) {
+    for (; i < hi; i++) {
+        pos[k] = i;
+        vals[k] = a[i];
+        k += a[i] != b[i];
+        if (advance) b[i] = a[i];
+    }
+    return k;
+}
 #define WS_X86_SIMD 1
 /* scan2 with AVX-512 (BW for the compare, VBMI2 for the 16-bit compress): 32 elements per step, their
  * changed values and positions compressed in registers and stored whole (the buffers have 64 entries of
@@ -94,12 +106,7 @@ scan2_avx512(const uint16_t *restrict a, uint16_t *restrict b, int64_t n, int64_
             }
             if (advance) _mm512_storeu_si512((void *)(b + i), x);
         }
-        for (; i < hi; i++) {
-            pos[k] = i;
-            vals[k] = a[i];
-            k += a[i] != b[i];
-            if (advance) b[i] = a[i];
-        }
+        k = tail2(a, b, i, hi, advance, pos, vals, k);
         counts[c] = k - k0;
     }
     *next = c;
@@ -148,12 +155,7 @@ scan2_avx2(const uint16_t *restrict a, uint16_t *restrict b, int64_t n, int64_t 
                 m = _blsr_u64(m);
             }
         }
-        for (; i < hi; i++) {
-            pos[k] = i;
-            vals[k] = a[i];
-            k += a[i] != b[i];
-            if (advance) b[i] = a[i];
-        }
+        k = tail2(a, b, i, hi, advance, pos, vals, k);
         counts[c] = k - k0;
     }
     *next = c;
