@@ -417,10 +417,10 @@ def main(argv: list[str] | None = None) -> int:
     if cuda:
         result["environment"]["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = RESULTS / f"delta_{args.tag}"
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    stem = f"delta_{args.tag}"  # (not Path.with_suffix: a tag like 'cpu_qwen3-0.6b' holds a dot)
+    (RESULTS / f"{stem}.json").write_text(json.dumps(result, indent=1))
     md = _markdown(result)
-    stem.with_suffix(".md").write_text(md)
+    (RESULTS / f"{stem}.md").write_text(md)
     print(md)
     return 0 if all(r["fingerprints_equal"] for r in result["rows"]) else 1
 
