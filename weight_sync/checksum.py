@@ -191,33 +191,23 @@ def tensor_checksums(tensors: list[torch.Tensor]) -> list[int]:
     """
     out = [0] * len(tensors)
     pending: dict[torch.device, list[tuple[int, int, torch.Tensor]]] = {}
-    grouped: dict[torch.device, list[tuple[int, torch.Tensor, int]]] = {}
-    triton = None
+    grouped: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
     for i, t in enumerate(tensors):
-        if t.is_cuda and t.is_contiguous():
-            # The grouped kernel reads a contiguous tensor's bytes through its address: no byte view is
-            # needed (its half-dozen torch calls, for each of the hundreds of tensors a fingerprint reads).
-            n = t.numel() * t.element_size()
-            if triton is None:
-                triton = _triton()
-            if triton and n and n % 4 == 0 and t.data_ptr() % 4 == 0:
-                grouped.setdefault(t.device, []).append((i, t, n))
-                continue
         flat = _flat_bytes(t)
         n = flat.numel()
         if n % 4 or n == 0:
             out[i] = tensor_checksum(t)
         elif flat.is_cuda and flat.data_ptr() % 4 == 0 and _triton():
-            grouped.setdefault(flat.device, []).append((i, flat, n))
+            grouped.setdefault(flat.device, []).append((i, flat))
         else:
             pending.setdefault(flat.device, []).append((i, n, bucket_checksum(flat)))
     for group in grouped.values():
         # One Triton launch for all of a device's tensors (checksum_triton.py), bitwise the same sums.
         from weight_sync.checksum_triton import word_sums
 
-        sums = word_sums([t for _, t, _ in group]).tolist()
-        for (i, _, n), halves in zip(group, sums):
-            out[i] = checksum_value(halves, n)
+        sums = word_sums([flat for _, flat in group]).tolist()
+        for (i, flat), halves in zip(group, sums):
+            out[i] = checksum_value(halves, flat.numel())
     for items in pending.values():
         halves = torch.stack([h for _, _, h in items]).tolist()
         for (i, n, _), (hi, lo) in zip(items, halves):
