@@ -272,7 +272,7 @@ void ws_init(int allow_simd) {
 #ifdef WS_X86_SIMD
     __builtin_cpu_init();
     use_avx512 = allow_simd && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vbmi2");
-    use_avx2 = allow_simd && !use_avx512 && __builtin_cpu_supports("avx2");
+    use_avx2 = allow_simd && !use_avx512 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("bmi");
 #else
     (void)allow_simd;
 #endif
