@@ -203,13 +203,17 @@ def scatter(dst: np.ndarray, pos: np.ndarray, vals: np.ndarray, byte_base: int) 
     vals = np.ascontiguousarray(vals)
     old = np.empty(pos.size, dtype=dst.dtype)
     sums = np.zeros(2, dtype=np.int64)
-    rc = lib.ws_scatter(_ptr(dst), dst.size, _ptr(pos), _ptr(vals), pos.size, dst.dtype.itemsize, byte_base,
-                        _ptr(old), _ptr(sums))
-    if rc == -1:
-        raise LayoutMismatchError(f"delta scatter: item size {dst.dtype.itemsize} is not 1, 2, 4 or 8 bytes")
-    if rc == -2:
-        raise LayoutMismatchError(f"delta scatter: a position lies outside the destination's {dst.size} elements")
+    _scatter_checked(lib.ws_scatter(_ptr(dst), dst.size, _ptr(pos), _ptr(vals), pos.size, dst.dtype.itemsize,
+                                    byte_base, _ptr(old), _ptr(sums)), dst.dtype.itemsize, dst.size)
     return old, sums
+
+
+def _scatter_checked(rc: int, item: int, n: int) -> None:
+    """Raise for ``ws_scatter``'s error codes (nothing was written then)."""
+    if rc == -1:
+        raise LayoutMismatchError(f"delta scatter: item size {item} is not 1, 2, 4 or 8 bytes")
+    if rc == -2:
+        raise LayoutMismatchError(f"delta scatter: a position lies outside the destination's {n} elements")
 
 
 def scatter_tensors(dst: torch.Tensor, pos: torch.Tensor, vals: torch.Tensor, byte_base: int
@@ -229,13 +233,9 @@ def scatter_tensors(dst: torch.Tensor, pos: torch.Tensor, vals: torch.Tensor, by
     pos, vals = pos.contiguous(), vals.contiguous()
     old = torch.empty_like(vals)
     sums = torch.zeros(2, dtype=torch.int64)
-    item = dst.element_size()
-    rc = lib.ws_scatter(dst.data_ptr(), dst.numel(), pos.data_ptr(), vals.data_ptr(), pos.numel(), item,
-                        byte_base, old.data_ptr(), sums.data_ptr())
-    if rc == -1:
-        raise LayoutMismatchError(f"delta scatter: item size {item} is not 1, 2, 4 or 8 bytes")
-    if rc == -2:
-        raise LayoutMismatchError(f"delta scatter: a position lies outside the destination's {dst.numel()} elements")
+    item, n = dst.element_size(), dst.numel()
+    _scatter_checked(lib.ws_scatter(dst.data_ptr(), n, pos.data_ptr(), vals.data_ptr(), pos.numel(), item,
+                                    byte_base, old.data_ptr(), sums.data_ptr()), item, n)
     return old, sums
 
 

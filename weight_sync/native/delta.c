@@ -8,7 +8,6 @@
 #include <stdint.h>
 #include <string.h>
 
-
 /* OR of a ^ b over `nwords` 8-byte words: zero exactly when the bytes are equal (vectorizes). */
 static inline uint64_t diff_words(const unsigned char *a, const unsigned char *b, int nwords) {
     uint64_t acc = 0;

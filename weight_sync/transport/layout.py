@@ -114,7 +114,6 @@ def plan_buckets(metas: Sequence[TensorMeta], bucket_bytes: int, align_bytes: in
     metas = tuple(metas)
     groups = _blocks_of(tuple(m.name for m in metas))
     sizes = [m.nbytes for m in metas]  # (a property computing a product: read once per tensor)
-    a = align_bytes  # (align_up inlined below: it runs twice per tensor of every call)
     buckets: list[Bucket] = []
     current: list[Segment] = []
     used = 0
@@ -127,7 +126,7 @@ def plan_buckets(metas: Sequence[TensorMeta], bucket_bytes: int, align_bytes: in
         current, used = [], 0
 
     for block in groups:
-        block_bytes = sum([-(-sizes[i] // a) * a for i in block])
+        block_bytes = sum([align_up(sizes[i], align_bytes) for i in block])
         if used and used + block_bytes > bucket_bytes:
             close()
         for i in block:
@@ -143,7 +142,7 @@ def plan_buckets(metas: Sequence[TensorMeta], bucket_bytes: int, align_bytes: in
                 current.append(Segment(i, offset, take, used))
                 if take < nbytes:
                     max_split = max(max_split, nbytes)
-                used += -(-take // a) * a
+                used += align_up(take, align_bytes)
                 offset += take
     close()
     return BucketLayout(metas, tuple(buckets), bucket_bytes, align_bytes, max_split)
