@@ -60,8 +60,25 @@ def _hang(rank: int, world: int) -> None:
         threading.Event().wait()  # a rank that never returns
 
 
+def _env_and_cwd(rank: int, world: int) -> tuple[str | None, str | None, str]:
+    import os
+
+    return os.environ.get("WS_TEST_PROBE"), os.environ.get("WS_TEST_GIVEN"), os.getcwd()
+
+
 def test_run_distributed_returns_results_by_rank() -> None:
     assert run_distributed(_ok, 2) == [2, 12]
+
+
+def test_ranks_see_the_callers_environment_and_directory_as_they_are_at_each_call(monkeypatch, tmp_path) -> None:
+    # Ranks fork from a server started at the first call: what changed since must still reach them.
+    run_distributed(_ok, 1)
+    monkeypatch.setenv("WS_TEST_PROBE", "set after the first call")
+    monkeypatch.chdir(tmp_path)
+    got = run_distributed(_env_and_cwd, 2, env={"WS_TEST_GIVEN": "given"})
+    assert got == [("set after the first call", "given", str(tmp_path))] * 2
+    monkeypatch.delenv("WS_TEST_PROBE")
+    assert run_distributed(_env_and_cwd, 1)[0][:2] == (None, None)
 
 
 def test_run_distributed_raises_with_the_failing_ranks_traceback() -> None:

@@ -10,7 +10,7 @@ from weight_sync.testing.checkpoint import (
     write_tokenizer,
 )
 from weight_sync.testing.compare import assert_bitwise_equal, bitwise_equal, kernel_tensors
-from weight_sync.testing.distributed import DistributedFailure, run_distributed
+from weight_sync.testing.distributed import DistributedFailure, rank_context, run_distributed
 from weight_sync.testing.dit import (
     DiTBlock,
     DiTConfig,
@@ -37,6 +37,7 @@ __all__ = [
     "make_checkpoint",
     "make_latents",
     "random_weights",
+    "rank_context",
     "run_distributed",
     "tiny_flux_inputs",
     "tiny_flux_transformer",
