@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import RESULTS, environment, profiled
 from weight_sync.manifest import Manifest
+from weight_sync.reload.delta_apply import DEFAULT_BATCH_BYTES
 from weight_sync.testing import make_checkpoint, run_distributed
 
 DENSITIES = (0.0, 0.005, 0.02, 0.10)
@@ -122,7 +123,7 @@ def _connect(rank: int, spec: dict[str, Any]) -> tuple[Any, Any]:
     device = torch.device("cuda", 0) if spec["device"] == "cuda" else torch.device("cpu")
     engine = ReferenceEngine.from_checkpoint(spec["ckpt"], device=device, quantization=spec["quantization"],
                                              dtype=torch.bfloat16)
-    keep_delta_base(engine.model, spec["engine_base"])
+    keep_delta_base(engine.model, spec["engine_base"], batch_bytes=spec["engine_batch_bytes"])
     receiver = WeightReceiver(engine, store.get("bench/address").decode(), 1)
     receiver.connect()
     return receiver, engine
@@ -284,6 +285,14 @@ def _engine_columns(rows: list[dict[str, Any]], updates: list[dict[str, Any]], r
         row["engine_fingerprint_s"] = statistics.median(u["seconds"].get("fingerprint", 0.0) for u in deltas)
 
 
+def _batching(result: dict[str, Any]) -> str:
+    """How the engine applied device deltas (host payloads are applied as they arrive in any case)."""
+    if result["device"] != "cuda":
+        return ""
+    batch = result.get("engine_batch_bytes", DEFAULT_BATCH_BYTES)
+    return ", its deltas applied " + ("bucket by bucket as they arrive" if batch == 0 else f"in batches of {batch >> 20} MiB")
+
+
 def _cpu_kernels() -> str:
     """Which CPU kernels the ranks' encodes and decodes ran (they inherit this process's environment)."""
     from weight_sync import native
@@ -304,7 +313,7 @@ def _markdown(result: dict[str, Any]) -> str:
         f"Command: `{env['command']}`. Model: {result['num_tensors']} tensors, {result['full_bytes'] / 1e6:.1f} MB "
         f"in bf16; {result['repeats']} repeats x 2 directions, median; bucket {result['bucket_bytes'] >> 20} MiB; "
         f"{result.get('threads', 'default')} torch thread(s) per rank; sender base {result['delta_base']}, "
-        f"engine's model-format copies {result['engine_base']}; CPU delta kernels: "
+        f"engine's model-format copies {result['engine_base']}{_batching(result)}; CPU delta kernels: "
         f"{result.get('cpu_kernels', 'numpy')}.",
         "Time: wall time of `send()` (the delta's encode included) to the engines' agreed commit, full sync "
         "of the same version measured in the same run; 'encode' is the part before `start_weight_update` "
@@ -374,6 +383,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine-base", choices=["pinned", "device"], default=None,
                    help="where the engine keeps model-format copies of quantized weights "
                         "(default: pinned on cpu, device on cuda)")
+    p.add_argument("--engine-batch-mib", type=int, default=DEFAULT_BATCH_BYTES >> 20,
+                   help="device deltas the engine queues before applying them (keep_delta_base's batch_bytes; "
+                        "0 applies each bucket as it arrives)")
     p.add_argument("--no-adam", action="store_true", help="synthetic densities only (no optimizer steps)")
     p.add_argument("--densities", default=",".join(f"{d:g}" for d in DENSITIES),
                    help="synthetic change densities, comma-separated (fewer save memory on large presets)")
@@ -405,13 +417,13 @@ def main(argv: list[str] | None = None) -> int:
                 "adam": not args.no_adam,
                 "num_scenarios": (0 if args.no_adam else len(LRS)) + len(densities), "densities": densities, "profile": args.profile,
                 "profile_deltas": args.profile_deltas, "trace_deltas": args.trace_deltas,
-                "threads": args.threads}
+                "threads": args.threads, "engine_batch_bytes": args.engine_batch_mib << 20}
         out = run_distributed(bench_rank, 2, spec, timeout_s=3600)
     rows = out[0]["rows"]
     _engine_columns(rows, out[1]["updates"], args.repeats)
     result = {"environment": environment(), "preset": args.preset, "quantization": args.quantization,
               "device": args.device, "backend": backend, "delta_base": delta_base, "engine_base": engine_base,
-              "threads": args.threads,
+              "threads": args.threads, "engine_batch_bytes": args.engine_batch_mib << 20,
               "repeats": args.repeats, "bucket_bytes": args.bucket_mib << 20, "num_tensors": out[0]["num_tensors"],
               "full_bytes": rows[0]["full_bytes"], "rows": rows, "cpu_kernels": _cpu_kernels()}
     if cuda:
