@@ -17,6 +17,9 @@ mkdir -p "$LOGS"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # NVLink multicast stays off on shared hosts (the device tool's rule).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# Ranks are spawned here, as in every GPU run so far: run_distributed's fork server (the CPU suite's
+# default since 2026-12-07) has not yet run on a GPU machine. WEIGHT_SYNC_RANK_START=forkserver tries it.
+export WEIGHT_SYNC_RANK_START=${WEIGHT_SYNC_RANK_START:-spawn}
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"

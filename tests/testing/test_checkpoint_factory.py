@@ -86,6 +86,18 @@ def test_run_distributed_raises_with_the_failing_ranks_traceback() -> None:
         run_distributed(_boom, 2)
 
 
+def test_ranks_are_spawned_when_asked_and_an_unknown_start_method_is_refused_by_name(monkeypatch) -> None:
+    from weight_sync.testing import rank_context
+
+    assert rank_context().get_start_method() == "forkserver"
+    monkeypatch.setenv("WEIGHT_SYNC_RANK_START", "spawn")
+    assert rank_context().get_start_method() == "spawn"
+    assert run_distributed(_ok, 2) == [2, 12]
+    monkeypatch.setenv("WEIGHT_SYNC_RANK_START", "fork")
+    with pytest.raises(ConfigError, match=r"WEIGHT_SYNC_RANK_START must be one of forkserver, spawn, got 'fork'"):
+        run_distributed(_ok, 2)
+
+
 def test_a_process_group_that_fails_to_connect_is_set_up_once_more_and_then_reported(monkeypatch, caplog) -> None:
     from weight_sync.testing import distributed
 

@@ -10,7 +10,7 @@ spawned: a spawned rank spends ~3 s importing torch on a 2-core host, a forked o
 suite starts hundreds of them. The server never runs torch code (no threads, no CUDA), so a fork of it is
 as clean as a spawned process; each rank takes the caller's environment as it is at the call (a forked
 rank would otherwise see the server's, from its first use) and the caller's working directory and
-``sys.path`` (multiprocessing's preparation data).
+``sys.path`` (multiprocessing's preparation data). ``WEIGHT_SYNC_RANK_START=spawn`` spawns them instead.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from weight_sync.errors import ConfigError
+
 __all__ = ["DistributedFailure", "rank_context", "run_distributed"]
 
 log = logging.getLogger(__name__)
@@ -40,14 +42,28 @@ class DistributedFailure(RuntimeError):
 _PRELOAD = ["torch", "torch.distributed", "weight_sync"]
 
 
-@functools.cache
+# WEIGHT_SYNC_RANK_START=spawn starts every rank as a fresh interpreter instead (the way out should a
+# platform's fork server misbehave); read at each run.
+_START_ENV = "WEIGHT_SYNC_RANK_START"
+_START_METHODS = ("forkserver", "spawn")
+
+
 def rank_context() -> Any:
-    """The multiprocessing context ranks start from: a fork server with torch imported, where the platform
-    has one (else spawn). Tests that start processes of their own use it too."""
-    if "forkserver" not in mp.get_all_start_methods():
-        return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
+    """The multiprocessing context :func:`run_distributed` starts ranks from: a fork server with torch
+    imported (where the platform has one, else spawn), or spawn when ``WEIGHT_SYNC_RANK_START=spawn``."""
+    method = os.environ.get(_START_ENV, "forkserver")
+    if method not in _START_METHODS:
+        raise ConfigError(f"{_START_ENV} must be one of {', '.join(_START_METHODS)}, got {method!r}")
+    if method == "forkserver" and "forkserver" not in mp.get_all_start_methods():
+        method = "spawn"
+    return _context(method)
+
+
+@functools.cache
+def _context(method: str) -> Any:
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(_PRELOAD)
     return ctx
 
 
