@@ -289,7 +289,7 @@ def _batching(result: dict[str, Any]) -> str:
     """How the engine applied device deltas (host payloads are applied as they arrive in any case)."""
     if result["device"] != "cuda":
         return ""
-    batch = result.get("engine_batch_bytes", DEFAULT_BATCH_BYTES)
+    batch = result["engine_batch_bytes"]
     return ", its deltas applied " + ("bucket by bucket as they arrive" if batch == 0 else f"in batches of {batch >> 20} MiB")
 
 
@@ -401,6 +401,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trace-deltas", default=None, metavar="DIR",
                    help="write a torch.profiler trace of the engine's last delta to DIR/engine_delta_trace.{json,txt}")
     args = p.parse_args(argv)
+    if args.engine_batch_mib < 0:
+        p.error(f"--engine-batch-mib must be >= 0 (0 applies each bucket as it arrives), got {args.engine_batch_mib}")
+    batch_bytes = args.engine_batch_mib << 20
     cuda = args.device == "cuda"
     backend = args.backend or ("ipc" if cuda else "gloo")
     delta_base = args.delta_base or ("device" if cuda else "pinned")
@@ -417,13 +420,13 @@ def main(argv: list[str] | None = None) -> int:
                 "adam": not args.no_adam,
                 "num_scenarios": (0 if args.no_adam else len(LRS)) + len(densities), "densities": densities, "profile": args.profile,
                 "profile_deltas": args.profile_deltas, "trace_deltas": args.trace_deltas,
-                "threads": args.threads, "engine_batch_bytes": args.engine_batch_mib << 20}
+                "threads": args.threads, "engine_batch_bytes": batch_bytes}
         out = run_distributed(bench_rank, 2, spec, timeout_s=3600)
     rows = out[0]["rows"]
     _engine_columns(rows, out[1]["updates"], args.repeats)
     result = {"environment": environment(), "preset": args.preset, "quantization": args.quantization,
               "device": args.device, "backend": backend, "delta_base": delta_base, "engine_base": engine_base,
-              "threads": args.threads, "engine_batch_bytes": args.engine_batch_mib << 20,
+              "threads": args.threads, "engine_batch_bytes": batch_bytes,
               "repeats": args.repeats, "bucket_bytes": args.bucket_mib << 20, "num_tensors": out[0]["num_tensors"],
               "full_bytes": rows[0]["full_bytes"], "rows": rows, "cpu_kernels": _cpu_kernels()}
     if cuda:

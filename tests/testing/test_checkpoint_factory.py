@@ -89,6 +89,7 @@ def test_run_distributed_raises_with_the_failing_ranks_traceback() -> None:
 def test_ranks_are_spawned_when_asked_and_an_unknown_start_method_is_refused_by_name(monkeypatch) -> None:
     from weight_sync.testing import rank_context
 
+    monkeypatch.delenv("WEIGHT_SYNC_RANK_START", raising=False)  # (a run of the suite may set it)
     assert rank_context().get_start_method() == "forkserver"
     monkeypatch.setenv("WEIGHT_SYNC_RANK_START", "spawn")
     assert rank_context().get_start_method() == "spawn"
