@@ -134,9 +134,9 @@ for phase in "${phases[@]}"; do
         --profile-deltas gpu_out/delta_8b_prof --tag ${G}_fp8_block_8b_profiled
       python3 -c "import pstats, sys; s = pstats.Stats(sys.argv[1]); s.sort_stats('cumulative').print_stats(70); s.sort_stats('tottime').print_stats(40)" \
         gpu_out/delta_8b_prof/engine_deltas.prof > gpu_out/delta_8b_prof/engine_deltas.txt 2>&1 ;;
-    tests_delta)  # issue 18: the delta path's GPU tests (decode, grouped scatter and requantization)
+    tests_delta)  # issue 18: the delta path's GPU tests (decode, grouped scatter, apply by address, checksums)
       step tests_delta 300 python3 -m pytest tests/transport/test_delta_gpu.py tests/reload/test_scatter_many.py \
-        -q -p no:cacheprovider -rs ;;
+        tests/reload/test_delta_flat.py tests/transport/test_gpu.py -k "not nccl and not ipc" -q -p no:cacheprovider -rs ;;
     delta_decode)  # issue 18: the batched decode's host cost per payload, device payloads vs the same bytes on the host
       step bench_delta_decode 150 python3 benchmarks/bench_delta_decode.py --device cuda --preset qwen3-8b \
         --densities 0,0.02 --repeats 5 --tag ${G}_8b ;;

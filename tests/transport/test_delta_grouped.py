@@ -52,10 +52,11 @@ def _change(weights: dict[str, torch.Tensor], step: int) -> dict[str, torch.Tens
     return out
 
 
-def run_deltas(ckpt: Path, quantization: str, device: torch.device, base_where: str, steps: int) -> int:
-    """``steps`` deltas into one engine and full reloads into another; asserts they stay bitwise equal
-    (tensors and fingerprints) and returns how many weights took the whole-requantization path."""
-    spec = QUANTIZATION_NAMES[quantization]
+def run_deltas(ckpt: Path, quantization: str | None, device: torch.device, base_where: str, steps: int) -> int:
+    """``steps`` deltas into one engine and full reloads into another (unquantized for None); asserts
+    they stay bitwise equal (tensors and fingerprints) and returns how many weights took the
+    whole-requantization path."""
+    spec = QUANTIZATION_NAMES[quantization] if quantization else None
     delta = ReferenceEngine.from_checkpoint(ckpt, quantization=spec, device=device)
     full = ReferenceEngine.from_checkpoint(ckpt, quantization=spec, device=device)
     delta_apply.keep_delta_base(delta.model, base_where)

@@ -42,7 +42,6 @@ pace of the apply.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -50,18 +49,20 @@ from torch import nn
 
 from weight_sync import native
 from weight_sync.checksum import tensor_checksums
-from weight_sync.errors import ConfigError, LayoutMismatchError
+from weight_sync.errors import ConfigError
 from weight_sync.layers.tensors import iter_graph_visible_tensors
 from weight_sync.quant.delta import apply_quantized_delta_, delta_absmax
 from weight_sync.quant.fp8 import Fp8LinearMethod
 from weight_sync.quant.int8 import Int8LinearMethod
-from weight_sync.quant.online import OnlineQuantLinearMethod, split_over_group
+from weight_sync.quant.online import split_over_group
+from weight_sync.reload.delta_base import _INT_OF_SIZE, DeltaApplier, _as_int, _QuantDst
 from weight_sync.reload.delta_checksum import (
     MASK32,
     checksum_change_np,
     checksum_changes,
 )
-from weight_sync.reload.delta_routes import Target, key_targets, live_tensor, plan_routes, select
+from weight_sync.reload.delta_flat import FlatSnap, StagedCall, apply_batch, merge_calls, stage_call
+from weight_sync.reload.delta_routes import Target, key_targets, select
 from weight_sync.reload.report import fingerprint
 from weight_sync.reload.scatter_many import ScatterWrite, grouped_scatter_available, scatter_many
 from weight_sync.reload.state import LayerInfo, ModelState
@@ -95,64 +96,6 @@ def keep_delta_base(model: nn.Module, where: str = "pinned", *, batch_bytes: int
     model.__dict__[DELTA_BASE_ATTR] = where
     model.__dict__[DELTA_BATCH_ATTR] = batch_bytes
 
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _as_int(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.uint8) if t.dtype == torch.bool else t.view(_INT_OF_SIZE[t.dtype.itemsize])
-
-
-@dataclass(slots=True)
-class _LiveDst:
-    """A live target's destination, its views made once per route set (:meth:`DeltaApplier.live_dst`):
-    a delta writes hundreds of tensors, and each view costs a torch call of host time per update."""
-
-    target: Target
-    live: torch.Tensor  # the parameter or buffer (its identity and address checked on every use)
-    ptr: int
-    flat: torch.Tensor  # its elements as integers of its item size, flat
-    region: torch.Tensor  # the target's run of ``flat``
-    size: int
-    dtype: torch.dtype
-    device: torch.device
-
-
-@dataclass(slots=True)
-class _QuantDst:
-    """A quantized target's model-format copy and kernel tensors, made once per route set
-    (:meth:`DeltaApplier.quant_dst`)."""
-
-    target: Target
-    base: torch.Tensor  # the model-format copy (identity checked)
-    base_int: torch.Tensor  # its elements as integers, flat
-    q_param: torch.Tensor  # the live kernel tensors (identity and address checked)
-    s_param: torch.Tensor
-    ptrs: tuple[int, int]
-    q: torch.Tensor  # their detached views
-    s: torch.Tensor
-    method: OnlineQuantLinearMethod
-    # Changes from which the weight is requantized whole (_requantize_whole), None: never.
-    whole_from: int | None
-    # Whether the copy's dtype and device let its writes join the grouped launch.
-    base_dtype: torch.dtype
-    base_device: torch.device
-
-
-def _whole_from(method: OnlineQuantLinearMethod, base: torch.Tensor, q: torch.Tensor) -> int | None:
-    """The number of changes from which a weight is requantized whole (grouped, after the bucket) rather
-    than tile by tile / row by row; None: never. On CUDA, with its model-format copy on the kernel
-    tensors' device, block or per-channel fp8 scales, and on average at least one change per scale unit
-    (nearly every tile or row is then touched, and the per-weight launches and device sync of the
-    incremental path cost far more than one grouped pass over the weight)."""
-    if not (q.is_cuda and base.device == q.device and isinstance(method, Fp8LinearMethod)):
-        return None
-    granularity = method.config.granularity
-    if granularity == "block":
-        bn, bk = method.config.block_size
-        return -(-base.numel() // (bn * bk))
-    return base.shape[0] if granularity == "channel" else None
-
-
 def _reduces(mod: nn.Module) -> bool:
     """Whether a delta into ``mod``'s quantized weight takes part in a reduction over its TP group even
     when none of its own elements changed (a per-tensor scale shared by the ranks: another rank's change
@@ -173,6 +116,9 @@ class InPlaceUpdate:
 
     #: Whether host payloads are batched too (:meth:`stage`; tests set it: CPU runs the batching).
     stage_host = False
+    #: Whether staged batches are applied by address off CUDA too (``weight_sync.reload.delta_flat``;
+    #: CPU tests set it, under TRITON_INTERPRET=1).
+    flat_interpret = False
 
     def __init__(self, applier: DeltaApplier, session: Any, mode: str) -> None:
         self.applier = applier
@@ -183,7 +129,7 @@ class InPlaceUpdate:
         # A full update's routes, and what they were derived from, for the deltas after it (commit()).
         self._full_routes = (applier.route_key(session), dict(self.routes)) if mode != "delta" else None
         self.touched: set[str] = set()
-        self._element_snaps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._element_snaps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | FlatSnap] = []
         self._whole_snaps: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._sum_changes: dict[int, list[torch.Tensor]] = {}
         self._dirty: set[int] = set()
@@ -208,8 +154,10 @@ class InPlaceUpdate:
         self._sum_slots: dict[torch.device, torch.Tensor] = {}
         self._slot_of: dict[int, tuple[torch.device, int]] = {}
         self._slots_used: dict[torch.device, int] = {}
-        # Device deltas copied out of their buckets, waiting to be applied together (stage()).
+        # Device deltas copied out of their buckets, waiting to be applied together (stage()): by
+        # address (delta_flat) where the grouped launch runs, else as views.
         self._staged: list[tuple[str, torch.Tensor, int, torch.dtype, tuple[Target, ...]]] = []
+        self._staged_calls: list[StagedCall] = []
         self._staged_bytes = 0
         self._batch_bytes = int(session.model.__dict__.get(DELTA_BATCH_ATTR, DEFAULT_BATCH_BYTES))
 
@@ -244,8 +192,18 @@ class InPlaceUpdate:
         counts as arrived (the session's completeness check runs before the finish applies the rest)."""
         if not items:
             return
-        if (items[0][1].device.type == "cpu" and not self.stage_host) or self._batch_bytes <= 0:
+        device = items[0][1].device
+        if (device.type == "cpu" and not self.stage_host) or self._batch_bytes <= 0:
             self.apply_many(items)
+            return
+        call = stage_call(items) if self.flat_interpret or grouped_scatter_available(device) else None
+        if call is not None:
+            for name, payload, _, _, _ in items:
+                self.session.mark_applied(name, payload.numel())
+            self._staged_calls.append(call)
+            self._staged_bytes += call.buf.numel()
+            if self._staged_bytes >= self._batch_bytes:
+                self.apply_staged()
             return
         # Encodings are 8-byte multiples: every copy keeps the alignment its decode reads in place.
         copies = torch.cat([payload for _, payload, _, _, _ in items]) if len(items) > 1 else items[0][1].clone()
@@ -262,7 +220,11 @@ class InPlaceUpdate:
     def apply_staged(self) -> None:
         """Apply the queued deltas (:meth:`stage`); called when the batch is full and before the finish."""
         items, self._staged, self._staged_bytes = self._staged, [], 0
-        self.apply_many(items, marked=True)
+        calls, self._staged_calls = self._staged_calls, []
+        if calls:
+            apply_batch(self, merge_calls(calls))
+        if items:
+            self.apply_many(items, marked=True)
 
     def apply_many(self, items: list[tuple[str, torch.Tensor, int, torch.dtype, tuple[Target, ...]]],
                    marked: bool = False) -> None:
@@ -282,6 +244,16 @@ class InPlaceUpdate:
         t0 = time.perf_counter()
         # Every payload decoded and checked whole before the first write (on a device: together).
         decoded = decode_deltas([(payload, numel, dtype) for _, payload, numel, dtype, _ in items])
+        self.write_decoded(items, decoded, marked)
+        self._write_queued()  # before flush(): the whole requantization reads the written copies
+        self.flush()
+        self.seconds["apply"] += time.perf_counter() - t0
+
+    def write_decoded(self, items: list[tuple[str, torch.Tensor, int, torch.dtype, tuple[Target, ...]]],
+                      decoded: list[tuple[torch.Tensor, torch.Tensor]], marked: bool) -> None:
+        """Write (or queue, for the grouped launches) the decoded changes of ``items`` into their targets."""
+        if not items:
+            return
         grouped = grouped_scatter_available(items[0][1].device)
         for (name, payload, _, dtype, targets), (pos, vals) in zip(items, decoded):
             for t in targets:
@@ -294,9 +266,6 @@ class InPlaceUpdate:
             if not marked:
                 self.session.mark_applied(name, payload.numel())  # applied here, not through load()
             self.num_in_place += 1
-        self._write_queued()  # before flush(): the whole requantization reads the written copies
-        self.flush()
-        self.seconds["apply"] += time.perf_counter() - t0
 
     def flush(self) -> None:
         """Requantize the weights whose changes were only written into their model-format copies (see
@@ -416,10 +385,7 @@ class InPlaceUpdate:
         n = idx.numel()
         if not n and not _reduces(mod):
             return  # nothing of this key changed, and no peer waits on a scale reduction of it
-        if self.session.rollback and info.name not in self._whole_snaps:
-            self._whole_snaps[info.name] = [(x, x.detach().to("cpu", copy=True)) for x in (d.q_param, d.s_param)]
-        self.touched.add(info.name)
-        self._dirty.update((id(d.q_param), id(d.s_param)))
+        self.begin_requantize(info, d)
         base = d.base
         key = (info.name, t.tensor)
         if key in self._whole or _requantize_whole(d, n):
@@ -435,9 +401,7 @@ class InPlaceUpdate:
             else:
                 at = idx + t.dst_offset if t.dst_offset else idx
                 base.view(-1)[at.to(base.device)] = v.view(dtype).to(base.device, base.dtype)
-            self._whole[key] = (d.method, base, d.q, d.s)  # flush() drops its absmax state
-            self.num_requantized += 1
-            self.num_whole += 1
+            self.mark_whole(info, t, d)
             return
         absmax = self.applier.absmax.get(key)
         if absmax is None:
@@ -450,6 +414,20 @@ class InPlaceUpdate:
         apply_quantized_delta_(d.method, base, at, v.view(dtype).to(base.dtype), d.q, d.s,
                                getattr(mod, "tp_group", None), absmax=absmax)
         self.num_requantized += 1
+
+    def begin_requantize(self, info: LayerInfo, d: _QuantDst) -> None:
+        """Before a quantized weight's first write of this update: its kernel tensors' snapshot (rollback),
+        its layer touched, its checksums to compute afresh."""
+        if self.session.rollback and info.name not in self._whole_snaps:
+            self._whole_snaps[info.name] = [(x, x.detach().to("cpu", copy=True)) for x in (d.q_param, d.s_param)]
+        self.touched.add(info.name)
+        self._dirty.update((id(d.q_param), id(d.s_param)))
+
+    def mark_whole(self, info: LayerInfo, t: Target, d: _QuantDst) -> None:
+        """``t``'s weight, its changes written into its model-format copy, is requantized whole in flush()."""
+        self._whole[(info.name, t.tensor)] = (d.method, d.base, d.q, d.s)  # flush() drops its absmax state
+        self.num_requantized += 1
+        self.num_whole += 1
 
     def fingerprint(self, model: nn.Module) -> str:
         """The model's fingerprint after this update, from cached checksums moved by the changes where
@@ -512,13 +490,17 @@ class InPlaceUpdate:
         """Undo this update's in-place writes (rollback) or mark their layers torn; drop the caches."""
         self.applier.checksums = {}
         self.applier.absmax = {}  # they moved with the model-format copies, which the undo leaves written
-        self._staged, self._staged_bytes = [], 0  # never applied: nothing of them to undo
+        self._staged, self._staged_calls, self._staged_bytes = [], [], 0  # never applied: nothing to undo
         if not self.touched:
             return
         if self.session.rollback:
             with torch.no_grad():
-                for region, idx, old in reversed(self._element_snaps):
-                    region[idx] = old
+                for snap in reversed(self._element_snaps):
+                    if isinstance(snap, FlatSnap):
+                        snap.restore()
+                    else:
+                        region, idx, old = snap
+                        region[idx] = old
                 for snaps in self._whole_snaps.values():
                     for live, host in snaps:
                         live.detach().copy_(host)
@@ -526,124 +508,3 @@ class InPlaceUpdate:
             self.state.tear(self.touched, reason)
         self._element_snaps.clear()
         self._whole_snaps.clear()
-
-
-class DeltaApplier:
-    """An engine rank's in-place delta state across updates: the model-format copies of quantized
-    weights, their absmax state (per block tile or per tensor, see
-    :func:`weight_sync.quant.delta.delta_absmax`; on the kernel tensors' device) and the checksums of
-    the tensors the last committed update left."""
-
-    def __init__(self) -> None:
-        self.bases: dict[tuple[str, str], torch.Tensor] = {}
-        self.absmax: dict[tuple[str, str], torch.Tensor] = {}
-        self.checksums: dict[int, tuple[int, torch.dtype, tuple[int, ...], int]] = {}
-        # The routes of the last delta update and what they were derived from (see routes_for).
-        self._routes: tuple[tuple[Any, ...], dict[str, tuple[Target, ...] | None]] | None = None
-        # Per target of those routes (by id; the entry names its target): its destination's views.
-        self._dst: dict[int, _LiveDst | _QuantDst] = {}
-
-    def routes_for(self, session: Any, mode: str) -> dict[str, tuple[Target, ...] | None]:
-        """Every expected key's route for an update of ``session`` (a copy the update may extend).
-
-        A delta update reuses the last delta's routes while nothing they derive from changed: the same
-        plan at the same generation (no key planned again), the same cached-view epoch (the session
-        bumps it when any graph-visible tensor moved since the last commit) and the same keys. A full
-        update computes them afresh (its layers may be processed for the first time) and drops the
-        cache, as any failure does (:meth:`forget`); its committed routes become the cache when nothing
-        they derive from changed during it (:meth:`keep_routes`)."""
-        state, plan, names = session.state, session.plan, session.expected or frozenset()
-        if mode != "delta":
-            self._routes = None
-            self._dst = {}
-            return plan_routes(state, plan, names)
-        key = self.route_key(session)
-        if self._routes is None or self._routes[0] != key:
-            self._routes = (key, plan_routes(state, plan, names))
-            self._dst = {}
-        return dict(self._routes[1])
-
-    @staticmethod
-    def route_key(session: Any) -> tuple[Any, ...]:
-        """What every route derives from: the plan and its generation, the cached-view epoch, the keys,
-        and which layers hold kernel-format tensors (a layer processed for the first time has new
-        kernel tensors, and routes into them)."""
-        state, plan = session.state, session.plan
-        return (id(state), id(plan), plan.generation, state.views_epoch, session.expected or frozenset(),
-                tuple(info.processed for info in state.layers.values()))
-
-    def keep_routes(self, key: tuple[Any, ...], routes: dict[str, tuple[Target, ...] | None], session: Any) -> None:
-        """Keep a committed full update's routes for the next delta when the state it leaves still
-        gives ``key`` (its begin's): the first delta after a full update then plans none again."""
-        if self.route_key(session) == key:
-            self._routes = (key, routes)
-            self._dst = {}
-
-    def live_dst(self, info: LayerInfo, t: Target) -> _LiveDst:
-        """``t``'s live tensor and its views, made again when the tensor or its storage is not the one
-        they were made of (a parameter replaced, or its ``.data`` swapped)."""
-        live = live_tensor(info.module, t.tensor)
-        assert live is not None  # routed only to existing live tensors
-        d = self._dst.get(id(t))
-        if type(d) is _LiveDst and d.target is t and d.live is live and d.ptr == live.data_ptr():
-            return d
-        flat = _as_int(live.detach().view(-1))
-        d = _LiveDst(t, live, live.data_ptr(), flat, flat[t.dst_offset : t.dst_offset + t.numel],
-                     live.element_size(), live.dtype, live.device)
-        self._dst[id(t)] = d
-        return d
-
-    def quant_dst(self, info: LayerInfo, t: Target) -> _QuantDst:
-        """``t``'s model-format copy and kernel tensors (made again when any of them is not the one the
-        entry was made of); refuses a target whose copy the last full update did not record."""
-        base = self.bases.get((info.name, t.tensor))
-        if base is None:
-            raise LayoutMismatchError(
-                f"{info.name}.{t.tensor}: a delta needs the model-format copy recorded by the last full "
-                "update, found none"
-            )
-        mod = info.module
-        q, s = live_tensor(mod, "weight"), live_tensor(mod, "weight_scale")
-        assert q is not None and s is not None  # checked when routed
-        d = self._dst.get(id(t))
-        if (type(d) is _QuantDst and d.target is t and d.base is base and d.q_param is q and d.s_param is s
-                and d.ptrs == (q.data_ptr(), s.data_ptr())):
-            return d
-        method = mod.quant_method
-        assert isinstance(method, OnlineQuantLinearMethod)  # checked when routed
-        d = _QuantDst(t, base, _as_int(base.view(-1)), q, s, (q.data_ptr(), s.data_ptr()), q.detach(), s.detach(),
-                      method, _whole_from(method, base, q), base.dtype, base.device)
-        self._dst[id(t)] = d
-        return d
-
-    @property
-    def nbytes(self) -> int:
-        """Memory the model-format copies and their absmax state hold (bytes)."""
-        return sum(t.numel() * t.element_size() for t in (*self.bases.values(), *self.absmax.values()))
-
-    def begin(self, session: Any, mode: str) -> InPlaceUpdate:
-        return InPlaceUpdate(self, session, mode)
-
-    def model_format_copy(self, info: LayerInfo, tensor: str, device: torch.device) -> torch.Tensor:
-        """The kept model-format copy of ``info``'s ``tensor`` on ``device`` (host memory is pinned when
-        CUDA is there; zero-filled when new: unwritten regions are padding, zero as in the staging)."""
-        rec = info.records[tensor]
-        key = (info.name, tensor)
-        base = self.bases.get(key)
-        if base is None or base.dtype != rec.dtype or tuple(base.shape) != tuple(rec.shape) or base.device != device:
-            pin = device.type == "cpu" and torch.cuda.is_available()
-            base = torch.zeros(tuple(rec.shape), dtype=rec.dtype, device=device, pin_memory=pin)
-            self.bases[key] = base
-        return base
-
-    def keep_only(self, keys: set[tuple[str, str]]) -> None:
-        for key in [k for k in self.bases if k not in keys]:
-            del self.bases[key]
-        for key in [k for k in self.absmax if k not in keys]:
-            del self.absmax[key]
-
-    def forget(self) -> None:
-        self.checksums = {}
-        self.absmax = {}
-        self._routes = None
-        self._dst = {}

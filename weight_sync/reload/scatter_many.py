@@ -32,7 +32,7 @@ import torch
 
 from weight_sync.quant.fp8_triton import _launch_device, triton_available
 
-__all__ = ["ScatterWrite", "grouped_scatter_available", "scatter_many"]
+__all__ = ["ScatterWrite", "grouped_scatter_available", "scatter_many", "scatter_rows"]
 
 _CHUNK = 1 << 13  # elements per program
 _BLOCK = 1024  # elements per step of a program
@@ -90,33 +90,54 @@ def scatter_many(writes: list[ScatterWrite], itemsize: int, *, old: torch.Tensor
     total = int(counts.sum())
     if keep and (old is None or old.numel() != total or old.element_size() != itemsize or not old.is_contiguous()):
         raise ValueError(f"scatter_many: old must hold {total} contiguous elements of {itemsize} bytes")
-    if total == 0:
-        return True
-    rows_of = -(-counts // _CHUNK)
-    owner = np.repeat(np.arange(len(writes)), rows_of)
-    first_row = np.concatenate([[0], np.cumsum(rows_of)[:-1]])
-    start = (np.arange(owner.size) - first_row[owner]) * _CHUNK
     dst = np.fromiter((w.dst.data_ptr() for w in writes), dtype=np.int64, count=len(writes))
     pos = np.fromiter((w.pos.data_ptr() for w in writes), dtype=np.int64, count=len(writes))
     val = np.fromiter((w.vals.data_ptr() for w in writes), dtype=np.int64, count=len(writes))
     off = np.fromiter((w.offset for w in writes), dtype=np.int64, count=len(writes))
+    scatter_rows(writes[0].vals.view(_INT[itemsize]), dst, pos, val, counts, off,
+                 slots=np.asarray(slots, dtype=np.int64) if keep and slots is not None else None,
+                 old=old if keep else None, sums=sums if keep else None)
+    return True
+
+
+def scatter_rows(typed: torch.Tensor, dst: np.ndarray, pos: np.ndarray, val: np.ndarray, counts: np.ndarray,
+                 offsets: np.ndarray, *, slots: np.ndarray | None = None, old: torch.Tensor | None = None,
+                 sums: torch.Tensor | None = None) -> None:
+    """:func:`scatter_many` by address: write ``i`` puts ``counts[i]`` values of ``typed``'s dtype from
+    address ``val[i]`` at the int64 positions at address ``pos[i]`` (plus ``offsets[i]``) of the
+    tensor at address ``dst[i]``. ``typed`` (an integer tensor on the device, of the values' item
+    size) gives the element type and the device. With ``old`` (contiguous, ``counts.sum()`` elements)
+    the overwritten values go there in write order, and with ``sums`` and ``slots`` each write's
+    checksum move goes to its slot's row, as in :func:`scatter_many`. The caller vouches for every
+    address (live, on the device, holding what the counts say) and for the launch being possible
+    (:func:`grouped_scatter_available`, or the interpreter)."""
+    itemsize = typed.element_size()
+    keep = old is not None
+    total = int(counts.sum())
+    if old is not None and (sums is None or slots is None or old.numel() != total):
+        raise ValueError(f"scatter_rows: old values ({total}) come with checksum sums and one slot per write")
+    if total == 0:
+        return
+    device = typed.device
+    rows_of = -(-counts // _CHUNK)
+    owner = np.repeat(np.arange(counts.size), rows_of)
+    first_row = np.concatenate([[0], np.cumsum(rows_of)[:-1]])
+    start = (np.arange(owner.size) - first_row[owner]) * _CHUNK
     before = np.concatenate([[0], np.cumsum(counts)[:-1]])
     table = torch.empty((owner.size, _ROW), dtype=torch.int64, pin_memory=device.type == "cuda")
     t = table.numpy()
     t[:, 0] = dst[owner]
     t[:, 1] = pos[owner] + start * 8
     t[:, 2] = val[owner] + start * itemsize
-    t[:, 3] = (old.data_ptr() + (before[owner] + start) * itemsize) if keep and old is not None else 0
+    t[:, 3] = (old.data_ptr() + (before[owner] + start) * itemsize) if old is not None else 0
     t[:, 4] = np.minimum(counts[owner] - start, _CHUNK)
-    t[:, 5] = off[owner]
-    t[:, 6] = np.asarray(slots, dtype=np.int64)[owner] if keep and slots is not None else 0
+    t[:, 5] = offsets[owner]
+    t[:, 6] = slots[owner] if keep and slots is not None else 0
     dev_table = table.to(device, non_blocking=True) if device.type == "cuda" else table
-    typed = writes[0].vals.view(_INT[itemsize])
     acc = sums if keep and sums is not None else torch.zeros(2, dtype=torch.int64, device=device)
-    with _launch_device(writes[0].dst):
+    with _launch_device(typed):
         _kernel()[(owner.size,)](dev_table, acc, typed, KEEP=keep, ITEM=itemsize, CHUNK=_CHUNK, BLOCK=_BLOCK,
                                  num_warps=4)
-    return True
 
 
 @functools.cache

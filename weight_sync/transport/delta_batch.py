@@ -39,7 +39,7 @@ from weight_sync.transport.delta import (
 )
 from weight_sync.transport.delta_format import _INT_OF_SIZE, FORM_PLAIN, MAGIC
 
-__all__ = ["decode_deltas", "decode_together", "parse_many"]
+__all__ = ["Tables", "decode_deltas", "decode_together", "parse_many", "tables"]
 
 
 @dataclass(slots=True, eq=False)  # not frozen: its __init__ runs per payload of every delta
@@ -183,6 +183,70 @@ def _decode_group(group: list[_Item], ce: int, dev: torch.device, checks: Checks
     return out
 
 
+@dataclass(slots=True, eq=False)
+class Tables:
+    """The headers and chunk tables of several payloads, read and checked together (numpy, one row or
+    entry per payload): what :func:`parse_many` and the staged decode
+    (``weight_sync.transport.delta_staged``) take each payload's layout from."""
+
+    usable: np.ndarray  # bool: laid out as the batched readers expect and consistent (else parse alone)
+    chunk_elems: np.ndarray
+    num_chunks: np.ndarray
+    n_plain_chunks: np.ndarray
+    n_bits: np.ndarray  # changes in bitmask chunks
+    n_index: np.ndarray  # changes in index chunks
+    region_at: np.ndarray  # [payloads, 5]: byte offsets of the four regions in the payload, then its end
+    lengths: np.ndarray  # [payloads, 4]: the regions' bytes (unpadded)
+    form: np.ndarray  # per chunk of every usable payload, payload after payload
+    counts: np.ndarray
+    chunk_at: np.ndarray  # [payloads + 1]: where each payload's chunks start in form / counts
+
+
+def tables(flat: np.ndarray, sizes: np.ndarray, numel: np.ndarray, item: np.ndarray,
+           payload_bytes: np.ndarray) -> Tables:
+    """The :class:`Tables` of payloads whose leading bytes (:func:`~weight_sync.transport.delta.head_bytes`
+    each, or the whole payload when shorter) lie one after another in ``flat`` (``sizes`` bytes each):
+    every header and table checked in one numpy pass against the tensor of ``numel`` elements of
+    ``item`` bytes it claims to describe, and the payload's ``payload_bytes``. A payload failing a
+    check, or whose table is not all in its leading bytes (another chunk size), is not ``usable``."""
+    n = sizes.size
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    usable = (sizes >= 16) & (starts[:-1] % 4 == 0)
+    if flat.size % 4 or not usable.any():
+        usable[:] = False
+    ints = flat[: flat.size // 4 * 4].view(np.int32)
+    word = np.where(usable, starts[:-1] // 4, 0)
+    magic, ce, nc, got_item = (ints[word + k].astype(np.int64) if ints.size else np.zeros(n, np.int64)
+                               for k in range(4))
+    safe_ce = np.maximum(ce, 8)
+    usable &= ((magic == MAGIC) & (got_item == item) & (ce >= 8) & (nc == -(-numel // safe_ce))
+               & (sizes >= 16 + 8 * nc))
+    nc = np.where(usable, nc, 0)
+    owner = np.repeat(np.arange(n), nc)
+    chunk_at = np.concatenate([[0], np.cumsum(nc)])
+    rank = np.arange(int(chunk_at[-1])) - chunk_at[owner]
+    table_word = word[owner] + 4 + 2 * rank
+    form = ints[table_word].astype(np.int64) if table_word.size else np.zeros(0, np.int64)
+    counts = ints[table_word + 1].astype(np.int64) if table_word.size else np.zeros(0, np.int64)
+    bad_form = np.bincount(owner, weights=(form.view(np.uint64) > FORM_PLAIN).astype(np.float64), minlength=n) > 0
+    usable &= ~bad_form
+    per = np.bincount(owner * 4 + np.clip(form, 0, 3), minlength=4 * n).reshape(-1, 4)
+    changes = np.bincount(owner * 4 + np.clip(form, 0, 3), weights=counts, minlength=4 * n).reshape(-1, 4)
+    last_plain = np.zeros(n, dtype=bool)
+    has = nc > 0
+    last_plain[has] = form[chunk_at[1:][has] - 1] == FORM_PLAIN
+    n_plain = per[:, FORM_PLAIN] * ce - np.where(last_plain, nc * ce - numel, 0)
+    n_bits, n_index = changes[:, FORM_BITMASK].astype(np.int64), changes[:, FORM_INDEX].astype(np.int64)
+    offset_bytes = np.where(ce <= 1 << 16, 2, 4)
+    lengths = np.stack([per[:, FORM_BITMASK] * (ce // 8), n_index * offset_bytes, (n_bits + n_index) * item,
+                        n_plain * item], 1)
+    region_at = (16 + (8 * nc + 7) // 8 * 8)[:, None] + np.concatenate(
+        [np.zeros((n, 1), np.int64), np.cumsum((lengths + 7) // 8 * 8, 1)], 1)
+    usable &= (region_at[:, 4] == payload_bytes) & (lengths.min(1) >= 0)
+    return Tables(usable, ce, nc, per[:, FORM_PLAIN].astype(np.int64), n_bits, n_index, region_at, lengths,
+                  form, counts, chunk_at)
+
+
 def parse_many(items: list[tuple[torch.Tensor, int, torch.dtype]]) -> list[_Parsed]:
     """``_parse`` of every ``(payload, numel, dtype)`` (all on one device), the headers and tables of all of
     them read in one device read and checked in one numpy pass (a per-payload parse costs tens of
@@ -192,50 +256,19 @@ def parse_many(items: list[tuple[torch.Tensor, int, torch.dtype]]) -> list[_Pars
     heads = read_heads([(t, n) for t, n, _ in items])
     out: list[_Parsed | None] = [None] * len(items)
     sizes = np.array([h.size for h in heads], dtype=np.int64)
-    starts = np.concatenate([[0], np.cumsum(sizes)])
     flat = np.concatenate(heads) if heads else np.zeros(0, np.uint8)
-    usable = (sizes >= 16) & (starts[:-1] % 4 == 0)
-    if flat.size % 4 or not usable.any():
-        usable[:] = False
-    ints = flat[: flat.size // 4 * 4].view(np.int32)
-    word = np.where(usable, starts[:-1] // 4, 0)
-    magic, ce, nc, item = (ints[word + k].astype(np.int64) if ints.size else np.zeros(len(items), np.int64)
-                           for k in range(4))
-    numel = np.array([n for _, n, _ in items], dtype=np.int64)
-    want_item = np.array([d.itemsize for _, _, d in items], dtype=np.int64)
-    safe_ce = np.maximum(ce, 8)
-    usable &= ((magic == MAGIC) & (item == want_item) & (ce >= 8) & (nc == -(-numel // safe_ce))
-               & (sizes >= 16 + 8 * nc))
-    nc = np.where(usable, nc, 0)
-    owner = np.repeat(np.arange(len(items)), nc)
-    chunk_at = np.concatenate([[0], np.cumsum(nc)])
-    rank = np.arange(int(chunk_at[-1])) - chunk_at[owner]
-    table_word = word[owner] + 4 + 2 * rank
-    form = ints[table_word].astype(np.int64) if table_word.size else np.zeros(0, np.int64)
-    counts = ints[table_word + 1].astype(np.int64) if table_word.size else np.zeros(0, np.int64)
-    bad_form = np.bincount(owner, weights=(form.view(np.uint64) > FORM_PLAIN).astype(np.float64), minlength=len(items)) > 0
-    usable &= ~bad_form
-    per = np.bincount(owner * 4 + np.clip(form, 0, 3), minlength=4 * len(items)).reshape(-1, 4)
-    changes = np.bincount(owner * 4 + np.clip(form, 0, 3), weights=counts, minlength=4 * len(items)).reshape(-1, 4)
-    last_plain = np.zeros(len(items), dtype=bool)
-    has = nc > 0
-    last_plain[has] = form[chunk_at[1:][has] - 1] == FORM_PLAIN
-    n_plain = per[:, FORM_PLAIN] * ce - np.where(last_plain, nc * ce - numel, 0)
-    n_bits, n_index = changes[:, FORM_BITMASK].astype(np.int64), changes[:, FORM_INDEX].astype(np.int64)
-    offset_bytes = np.where(ce <= 1 << 16, 2, 4)
-    lengths = np.stack([per[:, FORM_BITMASK] * (ce // 8), n_index * offset_bytes, (n_bits + n_index) * item,
-                        n_plain * item], 1)
-    region_at = (16 + (8 * nc + 7) // 8 * 8)[:, None] + np.concatenate(
-        [np.zeros((len(items), 1), np.int64), np.cumsum((lengths + 7) // 8 * 8, 1)], 1)
-    payload_bytes = np.array([t.numel() for t, _, _ in items], dtype=np.int64)
-    usable &= (region_at[:, 4] == payload_bytes) & (lengths.min(1) >= 0)
-    usable &= np.array([t.dtype == torch.uint8 and t.dim() == 1 for t, _, _ in items], dtype=bool)
+    tab = tables(flat, sizes, np.array([n for _, n, _ in items], dtype=np.int64),
+                 np.array([d.itemsize for _, _, d in items], dtype=np.int64),
+                 np.array([t.numel() for t, _, _ in items], dtype=np.int64))
+    usable = tab.usable & np.array([t.dtype == torch.uint8 and t.dim() == 1 for t, _, _ in items], dtype=bool)
+    form, counts, chunk_at = tab.form, tab.counts, tab.chunk_at
     # Python lists for the per-payload loop: indexing numpy scalars costs more than the rest of it. A
     # torch view costs about a microsecond of host time: an empty region gets one shared empty tensor
     # (most payloads have one or two: no bitmask at a low density, no plain chunks below a dense one).
-    ends = region_at[:, :4] + lengths
-    rows = zip(usable.tolist(), region_at.tolist(), ends.tolist(), chunk_at.tolist(), chunk_at[1:].tolist(),
-               ce.tolist(), nc.tolist(), per[:, FORM_PLAIN].tolist(), n_bits.tolist(), n_index.tolist())
+    ends = tab.region_at[:, :4] + tab.lengths
+    rows = zip(usable.tolist(), tab.region_at.tolist(), ends.tolist(), chunk_at.tolist(), chunk_at[1:].tolist(),
+               tab.chunk_elems.tolist(), tab.num_chunks.tolist(), tab.n_plain_chunks.tolist(), tab.n_bits.tolist(),
+               tab.n_index.tolist())
     dev = items[0][0].device if items else None
     e8 = torch.empty(0, dtype=torch.uint8, device=dev)
     empty: dict[torch.dtype, torch.Tensor] = {torch.uint8: e8}
