@@ -9,7 +9,7 @@ writes hundreds of tensors, and each view costs a torch call of host time per up
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -18,9 +18,6 @@ from weight_sync.quant.fp8 import Fp8LinearMethod
 from weight_sync.quant.online import OnlineQuantLinearMethod
 from weight_sync.reload.delta_routes import Target, live_tensor, plan_routes
 from weight_sync.reload.state import LayerInfo
-
-if TYPE_CHECKING:
-    from weight_sync.reload.delta_apply import InPlaceUpdate
 
 __all__ = ["DeltaApplier"]
 
@@ -175,11 +172,6 @@ class DeltaApplier:
     def nbytes(self) -> int:
         """Memory the model-format copies and their absmax state hold (bytes)."""
         return sum(t.numel() * t.element_size() for t in (*self.bases.values(), *self.absmax.values()))
-
-    def begin(self, session: Any, mode: str) -> InPlaceUpdate:
-        from weight_sync.reload.delta_apply import InPlaceUpdate  # (it imports this module)
-
-        return InPlaceUpdate(self, session, mode)
 
     def model_format_copy(self, info: LayerInfo, tensor: str, device: torch.device) -> torch.Tensor:
         """The kept model-format copy of ``info``'s ``tensor`` on ``device`` (host memory is pinned when

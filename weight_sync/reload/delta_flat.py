@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,9 +33,8 @@ import torch
 from weight_sync.reload.delta_routes import Target
 from weight_sync.reload.scatter_many import scatter_rows
 
-if TYPE_CHECKING:
-    from weight_sync.reload.delta_apply import InPlaceUpdate
-
+# ``update`` below is delta_apply's InPlaceUpdate, typed Any: delta_apply imports this module, and the
+# package keeps its imports free of circles (tests/reload/test_import_graph.py).
 __all__ = ["FlatSnap", "StagedCall", "apply_batch", "merge_calls", "stage_call"]
 
 _INT = {1: torch.int8, 2: torch.int16, 4: torch.int32}
@@ -105,14 +104,11 @@ class FlatSnap:
             region[p[s : s + n]] = self.old[end - n : end]
 
 
-def _plan(update: InPlaceUpdate, targets: tuple[Target, ...], dtype: torch.dtype, changes: int,
+def _plan(update: Any, targets: tuple[Target, ...], dtype: torch.dtype, changes: int,
           device: torch.device, whole: set[tuple[str, str]]) -> list[tuple[Target, Any, Any]] | None:
     """What a payload of ``changes`` changed elements writes by address, as (target, destination, layer)
     per target it reaches; None: it takes the bucket path. ``whole``: the weights this batch already
     sends to the whole requantization (a fused weight's later keys follow its first)."""
-    # Imported here: delta_apply imports this module.
-    from weight_sync.reload.delta_apply import _reduces, _requantize_whole
-
     out = []
     layers, applier = update.state.layers, update.applier
     for t in targets:
@@ -129,20 +125,20 @@ def _plan(update: InPlaceUpdate, targets: tuple[Target, ...], dtype: torch.dtype
         else:
             d = q = applier.quant_dst(info, t)
             if not changes:
-                if _reduces(info.module):
+                if update.reduces(info.module):
                     return None
                 continue
             key = (info.name, t.tensor)
             if q.base_dtype != dtype or q.base_device != device:
                 return None
-            if key not in update._whole and key not in whole and not _requantize_whole(q, changes):
+            if key not in update._whole and key not in whole and not update.requantize_whole(q, changes):
                 return None
             whole.add(key)
         out.append((t, d, info))
     return out
 
 
-def apply_batch(update: InPlaceUpdate, call: StagedCall) -> None:
+def apply_batch(update: Any, call: StagedCall) -> None:
     """Decode, check and write a batch of staged payloads (module docstring); nothing is written before
     every payload of it has passed its checks. The keys were marked applied when staged."""
     from weight_sync.transport.delta import decode_delta, raise_failed
@@ -184,7 +180,7 @@ def apply_batch(update: InPlaceUpdate, call: StagedCall) -> None:
     update.seconds["apply"] += time.perf_counter() - t0
 
 
-def _write(update: InPlaceUpdate, call: StagedCall, decoded: list, plans: list) -> None:
+def _write(update: Any, call: StagedCall, decoded: list, plans: list) -> None:
     """The writes of the payloads decoded by address: one grouped launch per item size into live
     tensors (old values kept for rollback, checksums moved into the update's slots) and one into
     model-format copies."""

@@ -44,7 +44,7 @@ import torch
 
 from weight_sync.errors import DeltaBaseError, DuplicateTensorError, ManifestError, TransportError
 from weight_sync.manifest import Manifest, TensorMeta
-from weight_sync.reload.delta_apply import DeltaApplier
+from weight_sync.reload.delta_apply import DeltaApplier, InPlaceUpdate
 from weight_sync.transport.delta import apply_delta_, encode_deltas
 
 __all__ = [
@@ -362,7 +362,7 @@ class DeltaSession:
         object.__setattr__(self, "_copied", set())
         object.__setattr__(self, "_through", 0)
         session.compute_fingerprint = False  # computed by the in-place update (prepare)
-        object.__setattr__(self, "_update", base.applier.begin(session, mode))
+        object.__setattr__(self, "_update", InPlaceUpdate(base.applier, session, mode))
 
     def load(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> Any:
         object.__setattr__(self, "_dirty", True)
