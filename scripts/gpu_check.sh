@@ -3,7 +3,7 @@
 #
 #   bash scripts/gpu_check.sh [limits] [tests] [quant] [reload] [moe] [offload_update] [offload] [transport]
 #                          [multi] [async] [async_gloo] [delta] [tests_quick] [reload8b] [offload_fp8] [transport_zc]
-#                          [delta_profile] [delta_decode] [delta_trace] [tests_delta] (default: all but the last eleven)
+#                          [delta_profile] [delta_decode] [delta_trace] [tests_delta] [delta_flat] (default: all but the last twelve)
 #   (transport = transport_ipc transport_sweep transport_nccl, delta = delta_small delta8b: each also a phase of its own)
 #   bash scripts/gpu_check.sh peers   (opt-in: bench_peers.py, weight_sync next to checkpoint-engine from .whl/)
 #
@@ -137,6 +137,9 @@ for phase in "${phases[@]}"; do
     tests_delta)  # issue 18: the delta path's GPU tests (decode, grouped scatter, apply by address, checksums)
       step tests_delta 300 python3 -m pytest tests/transport/test_delta_gpu.py tests/reload/test_scatter_many.py \
         tests/reload/test_delta_flat.py tests/transport/test_gpu.py -k "not nccl and not ipc" -q -p no:cacheprovider -rs ;;
+    delta_flat)  # issue 18: the 0.6B fp8_block engine's delta vs full reload, deltas applied by address
+      step bench_delta_flat 240 python3 benchmarks/bench_delta.py --device cuda --quantization fp8_block \
+        --preset qwen3-0.6b --no-adam --densities 0,0.02 --repeats 3 --tag ${G}_fp8_block_flat ;;
     delta_decode)  # issue 18: the batched decode's host cost per payload, device payloads vs the same bytes on the host
       step bench_delta_decode 150 python3 benchmarks/bench_delta_decode.py --device cuda --preset qwen3-8b \
         --densities 0,0.02 --repeats 5 --tag ${G}_8b ;;
