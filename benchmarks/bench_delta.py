@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -43,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import RESULTS, environment, profiled
 from weight_sync.manifest import Manifest
 from weight_sync.reload.delta_apply import DEFAULT_BATCH_BYTES
+from weight_sync.reload.delta_flat import BY_ADDRESS_ENV, by_address_enabled
 from weight_sync.testing import make_checkpoint, run_distributed
 
 DENSITIES = (0.0, 0.005, 0.02, 0.10)
@@ -290,7 +292,10 @@ def _batching(result: dict[str, Any]) -> str:
     if result["device"] != "cuda":
         return ""
     batch = result["engine_batch_bytes"]
-    return ", its deltas applied " + ("bucket by bucket as they arrive" if batch == 0 else f"in batches of {batch >> 20} MiB")
+    how = "bucket by bucket as they arrive" if batch == 0 else f"in batches of {batch >> 20} MiB"
+    if batch and result.get("by_address"):
+        how += " by address"
+    return ", its deltas applied " + how
 
 
 def _cpu_kernels() -> str:
@@ -386,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine-batch-mib", type=int, default=DEFAULT_BATCH_BYTES >> 20,
                    help="device deltas the engine queues before applying them (keep_delta_base's batch_bytes; "
                         "0 applies each bucket as it arrives)")
+    p.add_argument("--by-address", action="store_true",
+                   help="CUDA engines apply staged batches by address (sets WEIGHT_SYNC_DELTA_BY_ADDRESS=1 for the ranks)")
     p.add_argument("--no-adam", action="store_true", help="synthetic densities only (no optimizer steps)")
     p.add_argument("--densities", default=",".join(f"{d:g}" for d in DENSITIES),
                    help="synthetic change densities, comma-separated (fewer save memory on large presets)")
@@ -409,6 +416,9 @@ def main(argv: list[str] | None = None) -> int:
     delta_base = args.delta_base or ("device" if cuda else "pinned")
     engine_base = args.engine_base or ("device" if cuda else "pinned")
     densities = tuple(float(d) for d in args.densities.split(","))
+    if args.by_address:
+        os.environ[BY_ADDRESS_ENV] = "1"  # the ranks take this process's environment
+    by_address = cuda and by_address_enabled()
     with tempfile.TemporaryDirectory(prefix="ws-bench-delta-") as tmp:
         # fp32 master weights for the optimizer steps; without them the bf16 weights are all that is sent
         # (half the checkpoint to write and read on a large preset).
@@ -426,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     _engine_columns(rows, out[1]["updates"], args.repeats)
     result = {"environment": environment(), "preset": args.preset, "quantization": args.quantization,
               "device": args.device, "backend": backend, "delta_base": delta_base, "engine_base": engine_base,
-              "threads": args.threads, "engine_batch_bytes": batch_bytes,
+              "threads": args.threads, "engine_batch_bytes": batch_bytes, "by_address": by_address,
               "repeats": args.repeats, "bucket_bytes": args.bucket_mib << 20, "num_tensors": out[0]["num_tensors"],
               "full_bytes": rows[0]["full_bytes"], "rows": rows, "cpu_kernels": _cpu_kernels()}
     if cuda:

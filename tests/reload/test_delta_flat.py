@@ -17,7 +17,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weight_sync.errors import LayoutMismatchError
+from weight_sync.errors import ConfigError, LayoutMismatchError
+from weight_sync.reload.delta_flat import BY_ADDRESS_ENV, by_address_enabled
 from weight_sync.transport.delta import decode_delta, delta_stats, encode_delta, raise_failed
 from weight_sync.transport.delta_staged import decodable, decode_staged, staged_tables
 
@@ -214,12 +215,26 @@ def test_staged_payloads_on_cuda_decode_as_on_the_host_and_fail_the_same_checks(
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("quantization", [None, "fp8_block"])
-def test_cuda_deltas_go_by_address_and_equal_a_full_reload(qwen3_a: Path, quantization: str | None,
-                                                           _written: list[int]) -> None:
+@pytest.mark.parametrize("switch", ["1", "0"])
+def test_cuda_deltas_go_by_address_when_switched_on_and_equal_a_full_reload(
+        qwen3_a: Path, quantization: str | None, switch: str, _written: list[int],
+        monkeypatch: pytest.MonkeyPatch) -> None:
     from tests.transport.test_delta_grouped import run_deltas
 
+    monkeypatch.setenv(BY_ADDRESS_ENV, switch)
     run_deltas(qwen3_a, quantization, torch.device("cuda"), "device", steps=3)
-    assert sum(_written) > 0  # the CUDA default: staged batches are applied by address
+    assert (sum(_written) > 0) == (switch == "1")
+
+
+def test_the_by_address_switch_is_off_unless_set_to_one_and_refuses_other_values(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(BY_ADDRESS_ENV, raising=False)
+    assert not by_address_enabled()
+    monkeypatch.setenv(BY_ADDRESS_ENV, "1")
+    assert by_address_enabled()
+    monkeypatch.setenv(BY_ADDRESS_ENV, "yes")
+    with pytest.raises(ConfigError, match=f"{BY_ADDRESS_ENV} must be '0' or '1', got 'yes'"):
+        by_address_enabled()
 
 
 @child_only

@@ -61,7 +61,14 @@ from weight_sync.reload.delta_checksum import (
     checksum_change_np,
     checksum_changes,
 )
-from weight_sync.reload.delta_flat import FlatSnap, StagedCall, apply_batch, merge_calls, stage_call
+from weight_sync.reload.delta_flat import (
+    FlatSnap,
+    StagedCall,
+    apply_batch,
+    by_address_enabled,
+    merge_calls,
+    stage_call,
+)
 from weight_sync.reload.delta_routes import Target, key_targets, select
 from weight_sync.reload.report import fingerprint
 from weight_sync.reload.scatter_many import ScatterWrite, grouped_scatter_available, scatter_many
@@ -117,7 +124,7 @@ class InPlaceUpdate:
     #: Whether host payloads are batched too (:meth:`stage`; tests set it: CPU runs the batching).
     stage_host = False
     #: Whether staged batches are applied by address off CUDA too (``weight_sync.reload.delta_flat``;
-    #: CPU tests set it, under TRITON_INTERPRET=1).
+    #: CPU tests set it, under TRITON_INTERPRET=1). On CUDA the environment decides (``BY_ADDRESS_ENV``).
     flat_interpret = False
 
     @staticmethod
@@ -168,6 +175,7 @@ class InPlaceUpdate:
         # address (delta_flat) where the grouped launch runs, else as views.
         self._staged: list[tuple[str, torch.Tensor, int, torch.dtype, tuple[Target, ...]]] = []
         self._staged_calls: list[StagedCall] = []
+        self._by_address = by_address_enabled()
         self._staged_bytes = 0
         self._batch_bytes = int(session.model.__dict__.get(DELTA_BATCH_ATTR, DEFAULT_BATCH_BYTES))
 
@@ -206,7 +214,8 @@ class InPlaceUpdate:
         if (device.type == "cpu" and not self.stage_host) or self._batch_bytes <= 0:
             self.apply_many(items)
             return
-        call = stage_call(items) if self.flat_interpret or grouped_scatter_available(device) else None
+        flat = self.flat_interpret or (self._by_address and grouped_scatter_available(device))
+        call = stage_call(items) if flat else None
         if call is not None:
             for name, payload, _, _, _ in items:
                 self.session.mark_applied(name, payload.numel())

@@ -23,6 +23,7 @@ the staged buffer. Every payload of the batch is checked before the first write 
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -30,14 +31,29 @@ from typing import Any
 import numpy as np
 import torch
 
+from weight_sync.errors import ConfigError
 from weight_sync.reload.delta_routes import Target
 from weight_sync.reload.scatter_many import scatter_rows
 
 # ``update`` below is delta_apply's InPlaceUpdate, typed Any: delta_apply imports this module, and the
 # package keeps its imports free of circles (tests/reload/test_import_graph.py).
-__all__ = ["FlatSnap", "StagedCall", "apply_batch", "merge_calls", "stage_call"]
+__all__ = ["BY_ADDRESS_ENV", "FlatSnap", "StagedCall", "apply_batch", "by_address_enabled", "merge_calls",
+           "stage_call"]
+
+#: Environment variable turning the by-address apply on for CUDA engines ("1"; "0" or unset: off). Off by
+#: default until a device run has checked it against a full reload on a GPU (it is checked under the
+#: Triton interpreter on CPU); ``scripts/gpu_check.sh tests_delta delta_flat`` is that run.
+BY_ADDRESS_ENV = "WEIGHT_SYNC_DELTA_BY_ADDRESS"
 
 _INT = {1: torch.int8, 2: torch.int16, 4: torch.int32}
+
+
+def by_address_enabled() -> bool:
+    """Whether :data:`BY_ADDRESS_ENV` turns the by-address apply on (read when an update begins)."""
+    value = os.environ.get(BY_ADDRESS_ENV, "0")
+    if value not in ("0", "1"):
+        raise ConfigError(f"{BY_ADDRESS_ENV} must be '0' or '1', got {value!r}")
+    return value == "1"
 
 
 @dataclass(slots=True, eq=False)
