@@ -14,9 +14,12 @@ over ``--repeats`` (the device synchronized around each):
 - the same two on host copies of the payloads (the baseline: the same bytes, host tensors);
 - ``views``: the bare torch work parse_many does on each payload (four region slices, two dtype views;
   not its two chunk-table slices, which are host tensors either way) on the device payloads and on the
-  host copies: what a payload's views cost before any of our logic.
+  host copies: what a payload's views cost before any of our logic;
+- ``staged``: the by-address decode of the same payloads from their flat copy by offset
+  (``delta_staged.staged_tables`` + ``decode_staged`` + its checks read back; no view per payload), the
+  decode an engine runs with ``WEIGHT_SYNC_DELTA_BY_ADDRESS=1``.
 
-Ratios printed: device / host per payload for each. Results: ``benchmarks/results/delta_decode_<tag>.{json,md}``.
+Ratios printed: device / host per payload for each, and staged / decode on each side. Results: ``benchmarks/results/delta_decode_<tag>.{json,md}``.
 
 Usage: ``python benchmarks/bench_delta_decode.py --device cuda --preset qwen3-8b --densities 0,0.02``.
 """
@@ -29,6 +32,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -37,13 +41,14 @@ from benchmarks.common import environment, median, timed, write_results
 from weight_sync.testing.checkpoint import hf_config, random_weights
 from weight_sync.transport.delta import encode_deltas, raise_failed
 from weight_sync.transport.delta_batch import decode_together, parse_many
+from weight_sync.transport.delta_staged import decodable, decode_staged, staged_tables
 
 Item = tuple[torch.Tensor, int, torch.dtype]
 ENCODE_BYTES = 1 << 30
 
 
-def _staged(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[Item]:
-    """The payloads as the engine holds them after ``InPlaceUpdate.stage``: views of one flat copy.
+def _staged(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[list[Item], torch.Tensor]:
+    """The payloads as the engine holds them after ``InPlaceUpdate.stage``: views of one flat copy (and it).
     Encoded in groups of at most ``ENCODE_BYTES`` of tensors, as a sender encodes bucket by bucket (the
     encode's work memory is a few times its group's size)."""
     encoded, group, size = [], [], 0
@@ -60,7 +65,7 @@ def _staged(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[Item]:
         n = enc.numel()
         items.append((flat[at : at + n], new.numel(), new.dtype))
         at += n
-    return items
+    return items, flat
 
 
 def _bare_views(items: list[Item]) -> None:
@@ -78,6 +83,21 @@ def _decode(items: list[Item], dev: torch.device) -> None:
     raise_failed(checks)
 
 
+def _decode_by_address(flat: torch.Tensor, items: list[Item]) -> int:
+    """The by-address decode of ``items`` (views of ``flat``, back to back) from ``flat`` by offset; how
+    many payloads it took (the others would take the view path)."""
+    sizes = np.fromiter((p.numel() for p, _, _ in items), dtype=np.int64, count=len(items))
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    numel = np.fromiter((n for _, n, _ in items), dtype=np.int64, count=len(items))
+    item = np.fromiter((d.itemsize for _, _, d in items), dtype=np.int64, count=len(items))
+    tab = staged_tables(flat, offsets, sizes, numel, item)
+    take = np.flatnonzero(decodable(tab, offsets))
+    checks: list[Any] = []
+    decode_staged(flat, offsets, tab, take, numel, checks)
+    raise_failed(checks)
+    return int(take.size)
+
+
 def bench(device: str, preset: str, densities: list[float], repeats: int, seed: int) -> dict[str, Any]:
     dev = torch.device(device)
     cfg = hf_config("qwen3", preset)
@@ -92,24 +112,33 @@ def bench(device: str, preset: str, densities: list[float], repeats: int, seed: 
                 flip = torch.rand(t.shape, generator=g, device=dev) < d
                 new.view(torch.int16)[flip] ^= 1
             pairs.append((new, t))
-        items = _staged(pairs)
+        items, flat = _staged(pairs)
         del pairs
-        host = [(p.cpu(), n, dt) for p, n, dt in items]
+        host_flat = flat.cpu()
+        host, at = [], 0
+        for p, n_, dt in items:
+            host.append((host_flat[at : at + p.numel()], n_, dt))
+            at += p.numel()
         n = len(items)
-        row: dict[str, Any] = {"density": d, "payloads": n, "payload_bytes": sum(p.numel() for p, _, _ in items)}
-        for where, its, on in (("device", items, dev), ("host", host, torch.device("cpu"))):
+        row: dict[str, Any] = {"density": d, "payloads": n, "payload_bytes": sum(p.numel() for p, _, _ in items),
+                               "by_address": _decode_by_address(flat, items)}
+        for where, its, fl, on in (("device", items, flat, dev), ("host", host, host_flat, torch.device("cpu"))):
             for k, fn in (("parse", partial(parse_many, its)), ("decode", partial(_decode, its, on)),
-                          ("views", partial(_bare_views, its))):
+                          ("views", partial(_bare_views, its)), ("staged", partial(_decode_by_address, fl, its))):
                 row[f"{where}_{k}_us"] = 1e6 * median(timed(fn, on, repeats)) / n
-        for k in ("parse", "decode", "views"):
+        for k in ("parse", "decode", "views", "staged"):
             row[f"{k}_ratio"] = row[f"device_{k}_us"] / row[f"host_{k}_us"]
+        for where in ("device", "host"):
+            row[f"{where}_staged_vs_decode"] = row[f"{where}_staged_us"] / row[f"{where}_decode_us"]
         rows.append(row)
         print(f"density {d:.1%}: {n} payloads, {row['payload_bytes'] / 1e6:.1f} MB; per payload (us) "
               f"parse {row['device_parse_us']:.1f} vs host {row['host_parse_us']:.1f} ({row['parse_ratio']:.2f}x), "
               f"decode {row['device_decode_us']:.1f} vs {row['host_decode_us']:.1f} ({row['decode_ratio']:.2f}x), "
-              f"bare views {row['device_views_us']:.1f} vs {row['host_views_us']:.1f} ({row['views_ratio']:.2f}x)",
-              flush=True)
-        del items, host
+              f"bare views {row['device_views_us']:.1f} vs {row['host_views_us']:.1f} ({row['views_ratio']:.2f}x), "
+              f"by address {row['device_staged_us']:.1f} vs {row['host_staged_us']:.1f} "
+              f"({row['device_staged_vs_decode']:.2f}x the decode on the device, {row['by_address']} of {n} "
+              f"payloads taken)", flush=True)
+        del items, host, flat, host_flat
     return {"device": device, "preset": preset, "repeats": repeats, "rows": rows, "environment": environment()}
 
 
@@ -124,17 +153,22 @@ def _markdown(result: dict[str, Any]) -> str:
         "",
         "Baseline: the same payloads as host tensors. 'parse' = `delta_batch.parse_many` (header read and "
         "checks, region views); 'decode' = `decode_together` + its checks read back; 'bare views' = the "
-        "slices and dtype views parse_many makes per payload and nothing else.",
+        "slices and dtype views parse_many makes per payload and nothing else; 'by address' = "
+        "`delta_staged.staged_tables` + `decode_staged` + its checks read back, from the flat copy by offset "
+        "(no view per payload), and its time against 'decode' on the same side ('taken': payloads it decodes).",
         "",
-        "| density | payloads | MB | parse us (host) | ratio | decode us (host) | ratio | bare views us (host) | ratio |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| density | payloads | MB | parse us (host) | ratio | decode us (host) | ratio | bare views us (host) | ratio "
+        "| by address us (host) | taken | by address / decode, device (host) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         lines.append(
             f"| {r['density']:.1%} | {r['payloads']} | {r['payload_bytes'] / 1e6:.1f} | "
             f"{r['device_parse_us']:.1f} ({r['host_parse_us']:.1f}) | {r['parse_ratio']:.2f}x | "
             f"{r['device_decode_us']:.1f} ({r['host_decode_us']:.1f}) | {r['decode_ratio']:.2f}x | "
-            f"{r['device_views_us']:.1f} ({r['host_views_us']:.1f}) | {r['views_ratio']:.2f}x |")
+            f"{r['device_views_us']:.1f} ({r['host_views_us']:.1f}) | {r['views_ratio']:.2f}x | "
+            f"{r['device_staged_us']:.1f} ({r['host_staged_us']:.1f}) | {r['by_address']} | "
+            f"{r['device_staged_vs_decode']:.2f}x ({r['host_staged_vs_decode']:.2f}x) |")
     return "\n".join(lines) + "\n"
 
 
