@@ -83,13 +83,23 @@ def _decode(items: list[Item], dev: torch.device) -> None:
     raise_failed(checks)
 
 
-def _decode_by_address(flat: torch.Tensor, items: list[Item]) -> int:
-    """The by-address decode of ``items`` (views of ``flat``, back to back) from ``flat`` by offset; how
-    many payloads it took (the others would take the view path)."""
+Layout = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+def _layout(items: list[Item]) -> Layout:
+    """(offsets, sizes, numel, item size) of ``items`` laid back to back, as ``delta_flat.stage_call``
+    records them when it stages a call (not part of the decode)."""
     sizes = np.fromiter((p.numel() for p, _, _ in items), dtype=np.int64, count=len(items))
     offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
     numel = np.fromiter((n for _, n, _ in items), dtype=np.int64, count=len(items))
     item = np.fromiter((d.itemsize for _, _, d in items), dtype=np.int64, count=len(items))
+    return offsets, sizes, numel, item
+
+
+def _decode_by_address(flat: torch.Tensor, layout: Layout) -> int:
+    """The by-address decode of the payloads at ``layout`` in ``flat``; how many payloads it took (the
+    others would take the view path)."""
+    offsets, sizes, numel, item = layout
     tab = staged_tables(flat, offsets, sizes, numel, item)
     take = np.flatnonzero(decodable(tab, offsets))
     checks: list[Any] = []
@@ -114,17 +124,14 @@ def bench(device: str, preset: str, densities: list[float], repeats: int, seed: 
             pairs.append((new, t))
         items, flat = _staged(pairs)
         del pairs
-        host_flat = flat.cpu()
-        host, at = [], 0
-        for p, n_, dt in items:
-            host.append((host_flat[at : at + p.numel()], n_, dt))
-            at += p.numel()
+        host = [(p.cpu(), n, dt) for p, n, dt in items]
+        host_flat, layout = flat.cpu(), _layout(items)
         n = len(items)
         row: dict[str, Any] = {"density": d, "payloads": n, "payload_bytes": sum(p.numel() for p, _, _ in items),
-                               "by_address": _decode_by_address(flat, items)}
+                               "by_address": _decode_by_address(flat, layout)}
         for where, its, fl, on in (("device", items, flat, dev), ("host", host, host_flat, torch.device("cpu"))):
             for k, fn in (("parse", partial(parse_many, its)), ("decode", partial(_decode, its, on)),
-                          ("views", partial(_bare_views, its)), ("staged", partial(_decode_by_address, fl, its))):
+                          ("views", partial(_bare_views, its)), ("staged", partial(_decode_by_address, fl, layout))):
                 row[f"{where}_{k}_us"] = 1e6 * median(timed(fn, on, repeats)) / n
         for k in ("parse", "decode", "views", "staged"):
             row[f"{k}_ratio"] = row[f"device_{k}_us"] / row[f"host_{k}_us"]
