@@ -391,8 +391,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine-batch-mib", type=int, default=DEFAULT_BATCH_BYTES >> 20,
                    help="device deltas the engine queues before applying them (keep_delta_base's batch_bytes; "
                         "0 applies each bucket as it arrives)")
-    p.add_argument("--by-address", action="store_true",
-                   help="CUDA engines apply staged batches by address (sets WEIGHT_SYNC_DELTA_BY_ADDRESS=1 for the ranks)")
+    p.add_argument("--views", action="store_true",
+                   help="CUDA engines apply staged batches through per-payload views, not by address "
+                        "(sets WEIGHT_SYNC_DELTA_BY_ADDRESS=0 for the ranks; the path before 12-07)")
     p.add_argument("--no-adam", action="store_true", help="synthetic densities only (no optimizer steps)")
     p.add_argument("--densities", default=",".join(f"{d:g}" for d in DENSITIES),
                    help="synthetic change densities, comma-separated (fewer save memory on large presets)")
@@ -416,8 +417,8 @@ def main(argv: list[str] | None = None) -> int:
     delta_base = args.delta_base or ("device" if cuda else "pinned")
     engine_base = args.engine_base or ("device" if cuda else "pinned")
     densities = tuple(float(d) for d in args.densities.split(","))
-    if args.by_address:
-        os.environ[BY_ADDRESS_ENV] = "1"  # the ranks take this process's environment
+    if args.views:
+        os.environ[BY_ADDRESS_ENV] = "0"  # the ranks take this process's environment
     by_address = cuda and by_address_enabled()
     with tempfile.TemporaryDirectory(prefix="ws-bench-delta-") as tmp:
         # fp32 master weights for the optimizer steps; without them the bf16 weights are all that is sent

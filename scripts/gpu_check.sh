@@ -139,10 +139,10 @@ for phase in "${phases[@]}"; do
         tests/reload/test_delta_flat.py tests/transport/test_gpu.py -k "not nccl and not ipc" -q -p no:cacheprovider -rs ;;
     delta_flat)  # issue 18: the 0.6B fp8_block engine's delta vs full reload, deltas applied by address
       step bench_delta_flat 240 python3 benchmarks/bench_delta.py --device cuda --quantization fp8_block \
-        --preset qwen3-0.6b --no-adam --densities 0,0.02 --repeats 3 --by-address --tag ${G}_fp8_block_flat
-      # The same without the switch (the view path), on the same machine: the baseline of the change.
+        --preset qwen3-0.6b --no-adam --densities 0,0.02 --repeats 5 --tag ${G}_fp8_block_flat
+      # The same through per-payload views (the path before), on the same machine: the change's baseline.
       step bench_delta_views 240 python3 benchmarks/bench_delta.py --device cuda --quantization fp8_block \
-        --preset qwen3-0.6b --no-adam --densities 0,0.02 --repeats 3 --tag ${G}_fp8_block_views
+        --preset qwen3-0.6b --no-adam --densities 0,0.02 --repeats 5 --views --tag ${G}_fp8_block_views
       # The decode alone, view path against by address, host time per payload on this shape.
       step bench_delta_decode_06b 120 python3 benchmarks/bench_delta_decode.py --device cuda --preset qwen3-0.6b \
         --densities 0,0.02 --repeats 5 --tag ${G}_0.6b ;;

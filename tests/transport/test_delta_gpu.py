@@ -80,16 +80,23 @@ def test_a_cuda_bucket_decodes_together_to_each_payloads_changes_and_names_a_bad
 @pytest.mark.gpu
 def test_cuda_deltas_written_tensor_by_tensor_equal_the_grouped_writes(qwen3_a: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    # scatter_many declining (what it does off Triton) sends every queued write through torch indexing.
+    # scatter_many declining (what it does off Triton) sends every queued write of the view path
+    # through torch indexing.
     import weight_sync.reload.delta_apply as delta_apply
+    from weight_sync.reload.delta_flat import BY_ADDRESS_ENV
 
+    monkeypatch.setenv(BY_ADDRESS_ENV, "0")
     monkeypatch.setattr(delta_apply, "scatter_many", lambda *a, **k: False)
     assert run_deltas(qwen3_a, "fp8_block", torch.device("cuda"), "device", steps=2) > 0
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("quantization", [None, "fp8_block"])
-def test_an_aborted_cuda_delta_restores_every_grouped_write(qwen3_a: Path, quantization: str | None) -> None:
+@pytest.mark.parametrize("by_address", ["1", "0"])
+def test_an_aborted_cuda_delta_restores_every_grouped_write(qwen3_a: Path, quantization: str | None,
+                                                            by_address: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from tests.transport.test_delta_grouped import abort_restores
+    from weight_sync.reload.delta_flat import BY_ADDRESS_ENV
 
+    monkeypatch.setenv(BY_ADDRESS_ENV, by_address)
     abort_restores(qwen3_a, quantization, torch.device("cuda"))

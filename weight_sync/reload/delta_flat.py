@@ -40,17 +40,18 @@ from weight_sync.reload.scatter_many import scatter_rows
 __all__ = ["BY_ADDRESS_ENV", "FlatSnap", "StagedCall", "apply_batch", "by_address_enabled", "merge_calls",
            "stage_call"]
 
-#: Environment variable turning the by-address apply on for CUDA engines ("1"; "0" or unset: off). Off by
-#: default until a device run has checked it against a full reload on a GPU (it is checked under the
-#: Triton interpreter on CPU); ``scripts/gpu_check.sh tests_delta delta_flat`` is that run.
+#: Environment variable choosing how CUDA engines apply staged delta batches: "1" or unset, by address
+#: (checked against a full reload on a GPU by ``scripts/gpu_check.sh tests_delta delta_flat``, and under
+#: the Triton interpreter on CPU); "0", through per-payload views (the path before it, kept as the
+#: fallback and the benchmark's baseline).
 BY_ADDRESS_ENV = "WEIGHT_SYNC_DELTA_BY_ADDRESS"
 
 _INT = {1: torch.int8, 2: torch.int16, 4: torch.int32}
 
 
 def by_address_enabled() -> bool:
-    """Whether :data:`BY_ADDRESS_ENV` turns the by-address apply on (read when an update begins)."""
-    value = os.environ.get(BY_ADDRESS_ENV, "0")
+    """Whether CUDA engines apply staged batches by address (:data:`BY_ADDRESS_ENV`, read when an update begins)."""
+    value = os.environ.get(BY_ADDRESS_ENV, "1")
     if value not in ("0", "1"):
         raise ConfigError(f"{BY_ADDRESS_ENV} must be '0' or '1', got {value!r}")
     return value == "1"
