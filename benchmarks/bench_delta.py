@@ -42,6 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import RESULTS, environment, profiled
+from benchmarks.delta_bounds import compare_bound_s, traffic_bound
 from weight_sync.manifest import Manifest
 from weight_sync.reload.delta_apply import DEFAULT_BATCH_BYTES
 from weight_sync.reload.delta_flat import BY_ADDRESS_ENV, by_address_enabled
@@ -229,7 +230,8 @@ def _bench_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
                 assert full.delta["mode"] == "full"
                 fp_pairs += [(rep.fingerprints, plain.fingerprints), (rep.fingerprints, full.fingerprints)]
         d, wire = stats[0]
-        bound_s = _compare_bound_s(spec, a, b)
+        bound_s = compare_bound_s(spec["device"], a, b)
+        traffic = traffic_bound(spec["device"], a, b)
         rows.append({
             "scenario": name, "changed_fraction": d["changed_fraction"], "wire_bytes": wire,
             "full_bytes": d["plain_bytes"], "wire_ratio": wire / d["plain_bytes"],
@@ -239,35 +241,13 @@ def _bench_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
             "time_ratio": statistics.median(delta_s) / statistics.median(plain_s),
             "time_ratio_recording": statistics.median(delta_s) / statistics.median(full_s),
             "compare_bound_s": bound_s, "bound_ratio": bound_s / statistics.median(plain_s),
+            **traffic, "traffic_ratio": traffic["traffic_bound_s"] / statistics.median(plain_s),
             "fingerprints_equal": all(x == y for x, y in fp_pairs),
         })
         del a, b  # before the next scenario's weights are made
     end.close()
     assert len(rows) == n, (len(rows), n)
     return {"rows": rows, "num_tensors": num_tensors}
-
-
-def _compare_bound_s(spec: dict[str, Any], a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    """The least time an exact delta sender needs for ``b`` over base ``a`` here: one compare pass that reads
-    both versions' bytes (and writes a byte per element), nothing else; the best of three."""
-    ints = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
-    pairs = [(b[n].view(ints.get(t.dtype, t.dtype)), t.view(ints.get(t.dtype, t.dtype))) for n, t in a.items()]
-    masks = [torch.empty(x.shape, dtype=torch.bool, device=x.device) for x, _ in pairs]
-    best = float("inf")
-    for _ in range(3):
-        _sync(spec)
-        t0 = time.perf_counter()
-        if spec["device"] == "cpu":
-            import numpy as np
-
-            for (x, y), m in zip(pairs, masks):
-                np.not_equal(x.numpy(), y.numpy(), out=m.numpy())
-        else:
-            for (x, y), m in zip(pairs, masks):
-                torch.ne(x, y, out=m)
-        _sync(spec)
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def _engine_columns(rows: list[dict[str, Any]], updates: list[dict[str, Any]], repeats: int) -> None:
@@ -307,6 +287,18 @@ def _cpu_kernels() -> str:
     return f"native, {native.scan_kind()}"
 
 
+def _traffic(row: dict[str, Any]) -> str:
+    """The traffic bound's cells ('-' in results written before it was measured)."""
+    if "traffic_bound_s" not in row:
+        return "- | -"
+    rate = max(row.get("read_Bps", 0.0), row.get("copy_Bps", 0.0))
+    return f"{row['traffic_bytes'] / 1e9:.2f} at {rate / 1e9:.1f} | {row['traffic_ratio']:.2f}x"
+
+
+def _traffic_note(row: dict[str, Any]) -> str:
+    return f", memory traffic {row['traffic_ratio']:.2f}x" if "traffic_ratio" in row else ""
+
+
 def _markdown(result: dict[str, Any]) -> str:
     env = result["environment"]
     where = f"{result['device'].upper() if result['device'] == 'cpu' else 'GPU'} over {result['backend']}"
@@ -330,21 +322,25 @@ def _markdown(result: dict[str, Any]) -> str:
         "Bound: one compare pass over both versions' bytes on the sender (`ne` into a preallocated mask, "
         "best of 3), the least work an exact delta sender does before it knows what to send; no exact "
         "sender's 'time delta / full' can be below 'bound / full' (a lower bound: the update's control "
-        "round trips come on top).",
+        "round trips come on top). Traffic: the bytes any exact delta moves through this host's memory "
+        "(the sender reads both versions and writes its base's changed 64-byte lines, the engine reads "
+        "and writes each line of its weights that holds a change) at the fastest rate measured here "
+        "with every core (`benchmarks/delta_bounds.py`); compute, the payload and control left out.",
         "",
         "'full s' is a plain full sync (the sender's delta state set aside: no base recorded), the baseline of "
         "every ratio; 'full + base s' is the full update of a delta sender, which also records its base.",
         "",
         "| scenario | changed | wire bytes | wire / full | delta s | encode s | full s | full + base s "
-        "| time delta / full | bound s | bound / full | engine delta s (apply, fp) | engine full s "
-        "| engine delta / full | engine equal |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| time delta / full | bound s | bound / full | traffic GB at GB/s | traffic bound / full "
+        "| engine delta s (apply, fp) | engine full s | engine delta / full | engine equal |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         lines.append(
             f"| {r['scenario']} | {r['changed_fraction']:.2%} | {r['wire_bytes'] / 1e6:.2f} MB | "
             f"{r['wire_ratio']:.3f} | {r['delta_s']:.4f} | {r['encode_s']:.4f} | {r['full_s']:.4f} | "
             f"{r.get('full_recording_s', float('nan')):.4f} | {r['time_ratio']:.2f}x | {r['compare_bound_s']:.4f} | {r['bound_ratio']:.2f}x | "
+            f"{_traffic(r)} | "
             f"{r['engine_delta_s']:.4f} ({r['engine_apply_s']:.4f}, "
             f"{r['engine_fingerprint_s']:.4f}) | {r['engine_full_s']:.4f} | {r['engine_ratio']:.2f}x | "
             f"{r['fingerprints_equal']} |"
@@ -367,7 +363,8 @@ def _markdown(result: dict[str, Any]) -> str:
         lines += [
             f"Goals at 2% density: wire bytes <= 5% of full: {'met' if wire_ok else 'NOT met'} "
             f"({goal['wire_ratio']:.1%}); sync time <= 0.15x full: {'met' if time_ok else 'NOT met'} "
-            f"({goal['time_ratio']:.2f}x; this host's bound {goal['bound_ratio']:.2f}x); engine delta apply "
+            f"({goal['time_ratio']:.2f}x; this host's bounds: compare {goal['bound_ratio']:.2f}x"
+            f"{_traffic_note(goal)}); engine delta apply "
             f"<= 0.5x its full reload (the H200 fp8_block goal), judged on the engine's whole session: "
             f"{'met' if apply_ok else 'NOT met'} ({goal['engine_ratio']:.2f}x; its in-place apply and "
             f"fingerprint alone {writes_ratio:.2f}x, the rest being the delta's receipt, control and checks).",

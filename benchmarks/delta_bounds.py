@@ -1,0 +1,106 @@
+"""Lower bounds on an exact delta sync's time on this host, measured in the benchmark's own run.
+
+Two bounds, both for new weights ``b`` over base ``a`` (same names, shapes and dtypes):
+
+- **compare**: one pass that reads both versions and writes a byte per element, at the sender's own
+  thread count (what the benchmark's sender rank runs with); the least work before a sender knows what
+  to send.
+- **traffic**: the bytes any exact delta must move through this host's memory, divided by the fastest
+  rate measured here with every core. Sender: read both versions (``2 * B``), write its base's changed
+  64-byte lines back (``L * 64``, its read folded into the compare). Engine: read and write each of its
+  weights' lines that holds a change (``2 * L * 64``). Left out, so the bound stays low: the payload's
+  own bytes, any compute, the transport and the update's control round trips, the line a tensor's
+  misaligned start or end adds. The rate is the larger of a read pass over ``b`` (a sum of its words)
+  and, on CPU, a 256 MiB copy counted as three streams (read, write-allocate read, write): a generous
+  rate, hence a bound that errs low. (On a GPU the read pass alone: the largest presets leave no room
+  for the copy's buffers.)
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["compare_bound_s", "traffic_bound"]
+
+LINE = 64
+_INTS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+
+
+def _ints(t: torch.Tensor) -> torch.Tensor:
+    return t.view(_INTS.get(t.dtype, t.dtype))
+
+
+def _best_of(device: str, fn: Callable[[], Any], repeats: int = 3) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def compare_bound_s(device: str, a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """Seconds of one compare pass over both versions (``ne`` into preallocated masks), best of three."""
+    pairs = [(_ints(b[n]), _ints(t)) for n, t in a.items()]
+    masks = [torch.empty(x.shape, dtype=torch.bool, device=x.device) for x, _ in pairs]
+
+    def compare() -> None:
+        if device == "cpu":
+            import numpy as np
+
+            for (x, y), m in zip(pairs, masks):
+                np.not_equal(x.numpy(), y.numpy(), out=m.numpy())
+        else:
+            for (x, y), m in zip(pairs, masks):
+                torch.ne(x, y, out=m)
+
+    return _best_of(device, compare)
+
+
+def changed_lines(a: torch.Tensor, b: torch.Tensor) -> int:
+    """How many 64-byte lines of ``a``'s bytes hold at least one element that differs in ``b``."""
+    x, y = _ints(a).reshape(-1), _ints(b).reshape(-1)
+    per_line = max(1, LINE // x.element_size())
+    changed = x != y
+    whole = changed.numel() // per_line * per_line
+    lines = int(changed[:whole].view(-1, per_line).any(dim=1).sum())
+    return lines + int(bool(changed[whole:].any()))
+
+
+def _rate_bytes_per_s(device: str, b: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The fastest memory rates measured with every core: a read of ``b``'s bytes; on CPU a 256 MiB copy."""
+    words = [t.reshape(-1).view(torch.uint8) for t in b.values()]
+    words = [w[: w.numel() // 8 * 8].view(torch.int64) for w in words]
+    nbytes = sum(w.numel() * 8 for w in words)
+    if device != "cpu":
+        return {"read_Bps": nbytes / _best_of(device, lambda: [w.sum() for w in words])}
+    src = torch.ones(32 << 20, dtype=torch.int64)
+    dst = torch.empty_like(src)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)
+    try:
+        read_s = _best_of(device, lambda: [w.sum() for w in words])
+        copy_s = _best_of(device, lambda: dst.copy_(src))
+    finally:
+        torch.set_num_threads(threads)
+    return {"read_Bps": nbytes / read_s, "copy_Bps": 3 * src.numel() * 8 / copy_s}
+
+
+def traffic_bound(device: str, a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The traffic bound's parts: bytes, changed lines, rates and seconds (see the module docstring)."""
+    total = sum(t.numel() * t.element_size() for t in a.values())
+    lines = sum(changed_lines(t, b[n]) for n, t in a.items())
+    rates = _rate_bytes_per_s(device, b)
+    traffic = 2 * total + 3 * lines * LINE
+    rate = max(rates.values())
+    return {"traffic_bytes": traffic, "changed_lines": lines, "lines_fraction": lines * LINE / max(total, 1),
+            **rates, "traffic_bound_s": traffic / rate}
