@@ -19,38 +19,26 @@ Two bounds, both for new weights ``b`` over base ``a`` (same names, shapes and d
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from benchmarks.common import timed
+from weight_sync.transport.delta import _as_int
+
 __all__ = ["compare_bound_s", "traffic_bound"]
 
 LINE = 64
-_INTS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 
 
-def _ints(t: torch.Tensor) -> torch.Tensor:
-    return t.view(_INTS.get(t.dtype, t.dtype))
-
-
-def _best_of(device: str, fn: Callable[[], Any], repeats: int = 3) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return best
+def _best_of_3(device: str, fn: Callable[[], Any]) -> float:
+    return min(timed(fn, torch.device(device), 3, warmup=0))
 
 
 def compare_bound_s(device: str, a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     """Seconds of one compare pass over both versions (``ne`` into preallocated masks), best of three."""
-    pairs = [(_ints(b[n]), _ints(t)) for n, t in a.items()]
+    pairs = [(_as_int(b[n]), _as_int(t)) for n, t in a.items()]
     masks = [torch.empty(x.shape, dtype=torch.bool, device=x.device) for x, _ in pairs]
 
     def compare() -> None:
@@ -63,12 +51,12 @@ def compare_bound_s(device: str, a: dict[str, torch.Tensor], b: dict[str, torch.
             for (x, y), m in zip(pairs, masks):
                 torch.ne(x, y, out=m)
 
-    return _best_of(device, compare)
+    return _best_of_3(device, compare)
 
 
 def changed_lines(a: torch.Tensor, b: torch.Tensor) -> int:
     """How many 64-byte lines of ``a``'s bytes hold at least one element that differs in ``b``."""
-    x, y = _ints(a).reshape(-1), _ints(b).reshape(-1)
+    x, y = _as_int(a), _as_int(b)
     per_line = max(1, LINE // x.element_size())
     changed = x != y
     whole = changed.numel() // per_line * per_line
@@ -81,18 +69,18 @@ def _rate_bytes_per_s(device: str, b: dict[str, torch.Tensor]) -> dict[str, floa
     words = [t.reshape(-1).view(torch.uint8) for t in b.values()]
     words = [w[: w.numel() // 8 * 8].view(torch.int64) for w in words]
     nbytes = sum(w.numel() * 8 for w in words)
-    if device != "cpu":
-        return {"read_Bps": nbytes / _best_of(device, lambda: [w.sum() for w in words])}
-    src = torch.ones(32 << 20, dtype=torch.int64)
-    dst = torch.empty_like(src)
     threads = torch.get_num_threads()
-    torch.set_num_threads(os.cpu_count() or 1)
+    if device == "cpu":
+        torch.set_num_threads(os.cpu_count() or 1)
     try:
-        read_s = _best_of(device, lambda: [w.sum() for w in words])
-        copy_s = _best_of(device, lambda: dst.copy_(src))
+        rates = {"read_Bps": nbytes / _best_of_3(device, lambda: [w.sum() for w in words])}
+        if device == "cpu":
+            src = torch.ones(32 << 20, dtype=torch.int64)
+            dst = torch.empty_like(src)
+            rates["copy_Bps"] = 3 * src.numel() * 8 / _best_of_3(device, lambda: dst.copy_(src))
     finally:
         torch.set_num_threads(threads)
-    return {"read_Bps": nbytes / read_s, "copy_Bps": 3 * src.numel() * 8 / copy_s}
+    return rates
 
 
 def traffic_bound(device: str, a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, float]:

@@ -277,20 +277,11 @@ def test_by_address_deltas_aborted_with_rollback_restore_every_write(qwen3_a: Pa
 def _damaged_refused(ckpt: Path, device: torch.device) -> None:
     """An fp8_block engine's delta with one payload whose index offsets repeat is refused by name at the
     finish, and every engine tensor keeps the bytes it had."""
+    from tests.transport.test_delta_batched_apply import _engines
     from tests.transport.test_delta_grouped import _change, _equal, _session, _state
-    from trainers import CheckpointSource
-    from weight_sync.engine import ReferenceEngine
-    from weight_sync.quant import QUANTIZATION_NAMES
-    from weight_sync.reload.delta_apply import keep_delta_base
-    from weight_sync.transport.delta_sync import DeltaSession, ReceiverDeltaBase
+    from weight_sync.transport.delta_sync import DeltaSession
 
-    delta = ReferenceEngine.from_checkpoint(ckpt, quantization=QUANTIZATION_NAMES["fp8_block"], device=device)
-    keep_delta_base(delta.model, "device" if device.type == "cuda" else "pinned", batch_bytes=1 << 30)
-    base = ReceiverDeltaBase()
-    old = {n: t.to(torch.bfloat16) for n, t in CheckpointSource(ckpt)}
-    first = DeltaSession(_session(delta, {n: t.to(device) for n, t in old.items()}, 1), base, "full")
-    first.load([(n, t.to(device)) for n, t in old.items()])
-    first.finish()
+    delta, _, base, old = _engines(ckpt, 1 << 30, device)
     before = _state(delta)
     new = _change(old, 2)
     session = DeltaSession(_session(delta, new, 2), base, "delta")

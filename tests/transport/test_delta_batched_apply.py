@@ -25,14 +25,20 @@ def _batch_host_payloads(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(delta_apply.InPlaceUpdate, "stage_host", True)
 
 
-def _engines(ckpt: Path, batch_bytes: int) -> tuple[ReferenceEngine, ReferenceEngine, ReceiverDeltaBase, dict]:
+_CPU = torch.device("cpu")
+
+
+def _engines(ckpt: Path, batch_bytes: int, device: torch.device = _CPU
+             ) -> tuple[ReferenceEngine, ReferenceEngine, ReceiverDeltaBase, dict]:
+    """Two fp8_block engines on ``device`` (the first keeps a delta base, model-format copies on the
+    device on CUDA, pinned on the host otherwise), the first loaded in full; the host bf16 weights."""
     spec = QUANTIZATION_NAMES["fp8_block"]
-    delta, full = (ReferenceEngine.from_checkpoint(ckpt, quantization=spec) for _ in range(2))
-    delta_apply.keep_delta_base(delta.model, "pinned", batch_bytes=batch_bytes)
+    delta, full = (ReferenceEngine.from_checkpoint(ckpt, quantization=spec, device=device) for _ in range(2))
+    delta_apply.keep_delta_base(delta.model, "device" if device.type == "cuda" else "pinned", batch_bytes=batch_bytes)
     base = ReceiverDeltaBase()
     old = {n: t.to(torch.bfloat16) for n, t in CheckpointSource(ckpt)}
     first = DeltaSession(_session(delta, old, 1), base, "full")
-    first.load(list(old.items()))
+    first.load([(n, t.to(device)) for n, t in old.items()])
     first.finish()
     return delta, full, base, old
 
