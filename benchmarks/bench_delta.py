@@ -12,7 +12,9 @@ Per scenario the engine first gets a in full; then each repeat sends b and a alt
 (``TransportConfig(delta=True)``: every delta moves the same changed fraction) and, as the baseline,
 the same versions as full updates (the sender's base dropped first, so ``send`` goes full). Times are
 the wall time of ``send()`` (the delta's encode included) to the engines' agreed commit, median over
-repeats (also reported: ``TransferReport.seconds``, which starts after the encode);
+repeats (also reported: ``TransferReport.seconds``, which starts after the encode), after ``--warmup``
+rounds of the same updates that are not timed (buffers both sides keep across updates reach their size
+in them: a training loop syncs for hours, and its first update's page faults are not its steady state);
 every delta's engine fingerprint is checked equal to the full update's of the same version.
 ``--profile DIR`` writes a cProfile of each rank (the times then include the profiler);
 ``--profile-deltas DIR`` one of the engine's delta updates only (``DIR/engine_deltas.prof``);
@@ -165,7 +167,7 @@ def _bench_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     device = torch.device("cuda", 0) if spec["device"] == "cuda" else torch.device("cpu")
     scenarios = _scenarios(spec["ckpt"], spec["seed"], device, spec["adam"], spec["densities"]) if rank == 0 else None
     n = spec["num_scenarios"]
-    repeats = spec["repeats"]
+    repeats = spec["repeats"] + spec["warmup"]  # the first rounds' times are dropped
     if rank != 0:
         updates = []
         # Only the deltas under the profiler (per scenario: the first full update, then per direction
@@ -229,6 +231,8 @@ def _bench_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
                 full_s.append(time.perf_counter() - t0)
                 assert full.delta["mode"] == "full"
                 fp_pairs += [(rep.fingerprints, plain.fingerprints), (rep.fingerprints, full.fingerprints)]
+        skip = 2 * spec["warmup"]  # per round, one update of each direction
+        delta_s, delta_transfer_s, plain_s, full_s = (x[skip:] for x in (delta_s, delta_transfer_s, plain_s, full_s))
         d, wire = stats[0]
         bound_s = compare_bound_s(spec["device"], a, b)
         traffic = traffic_bound(spec["device"], a, b)
@@ -250,13 +254,14 @@ def _bench_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     return {"rows": rows, "num_tensors": num_tensors}
 
 
-def _engine_columns(rows: list[dict[str, Any]], updates: list[dict[str, Any]], repeats: int) -> None:
+def _engine_columns(rows: list[dict[str, Any]], updates: list[dict[str, Any]], repeats: int, warmup: int) -> None:
     """The engine's side of every row: its own time from begin to commit (UpdateReport.seconds['total'])
-    for the deltas and for the full updates of the same versions, and the delta's in-place phases."""
-    per = 1 + 6 * repeats
+    for the deltas and for the full updates of the same versions, and the delta's in-place phases (the
+    warm-up rounds left out)."""
+    per = 1 + 6 * (repeats + warmup)
     for i, row in enumerate(rows):
         # Per direction: the delta, the plain full sync (the baseline), the full update recording the base.
-        mine = updates[i * per + 1 : (i + 1) * per]
+        mine = updates[i * per + 1 + 6 * warmup : (i + 1) * per]
         deltas, fulls, recording = mine[0::3], mine[1::3], mine[2::3]
         # (A plain update leaves the receiver's delta stats as they were: it is told apart by position.)
         assert all(u["mode"] == "delta" for u in deltas) and all(u["mode"] == "full" for u in recording)
@@ -284,7 +289,7 @@ def _cpu_kernels() -> str:
 
     if not native.enabled():
         return "numpy"
-    return f"native, {native.scan_kind()}"
+    return f"native, {native.scan_kind()}, {native.threads()} thread(s) per rank"
 
 
 def _traffic(row: dict[str, Any]) -> str:
@@ -308,7 +313,7 @@ def _markdown(result: dict[str, Any]) -> str:
         f"{env['date']}; {env['cpu']} ({env['cpu_count']} cores); {', '.join(env.get('gpus', [])) or 'no GPU'}; "
         f"torch {env['torch']}, Python {env['python']}.",
         f"Command: `{env['command']}`. Model: {result['num_tensors']} tensors, {result['full_bytes'] / 1e6:.1f} MB "
-        f"in bf16; {result['repeats']} repeats x 2 directions, median; bucket {result['bucket_bytes'] >> 20} MiB; "
+        f"in bf16; {result['repeats']} repeats x 2 directions after {result['warmup']} untimed round(s), median; bucket {result['bucket_bytes'] >> 20} MiB; "
         f"{result.get('threads', 'default')} torch thread(s) per rank; sender base {result['delta_base']}, "
         f"engine's model-format copies {result['engine_base']}{_batching(result)}; CPU delta kernels: "
         f"{result.get('cpu_kernels', 'numpy')}.",
@@ -395,6 +400,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--densities", default=",".join(f"{d:g}" for d in DENSITIES),
                    help="synthetic change densities, comma-separated (fewer save memory on large presets)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1,
+                   help="untimed rounds (each update of both directions) before the timed repeats")
     p.add_argument("--bucket-mib", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tag", default="cpu")
@@ -422,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
         # (half the checkpoint to write and read on a large preset).
         ckpt = make_checkpoint(Path(tmp) / "ckpt", preset=args.preset, seed=args.seed,
                                dtype=torch.bfloat16 if args.no_adam else torch.float32)
-        spec = {"ckpt": str(ckpt), "quantization": args.quantization, "repeats": args.repeats,
+        spec = {"ckpt": str(ckpt), "quantization": args.quantization, "repeats": args.repeats, "warmup": args.warmup,
                 "bucket_bytes": args.bucket_mib << 20, "seed": args.seed, "device": args.device,
                 "backend": backend, "delta_base": delta_base, "engine_base": engine_base,
                 "adam": not args.no_adam,
@@ -431,11 +438,11 @@ def main(argv: list[str] | None = None) -> int:
                 "threads": args.threads, "engine_batch_bytes": batch_bytes}
         out = run_distributed(bench_rank, 2, spec, timeout_s=3600)
     rows = out[0]["rows"]
-    _engine_columns(rows, out[1]["updates"], args.repeats)
+    _engine_columns(rows, out[1]["updates"], args.repeats, args.warmup)
     result = {"environment": environment(), "preset": args.preset, "quantization": args.quantization,
               "device": args.device, "backend": backend, "delta_base": delta_base, "engine_base": engine_base,
               "threads": args.threads, "engine_batch_bytes": batch_bytes, "by_address": by_address,
-              "repeats": args.repeats, "bucket_bytes": args.bucket_mib << 20, "num_tensors": out[0]["num_tensors"],
+              "repeats": args.repeats, "warmup": args.warmup, "bucket_bytes": args.bucket_mib << 20, "num_tensors": out[0]["num_tensors"],
               "full_bytes": rows[0]["full_bytes"], "rows": rows, "cpu_kernels": _cpu_kernels()}
     if cuda:
         result["environment"]["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]

@@ -190,6 +190,36 @@ def test_a_group_encoded_together_writes_each_tensors_own_bytes_and_moves_every_
         assert torch.equal(moved.view(_INT[dtype.itemsize]), new.view(_INT[dtype.itemsize]))
 
 
+@pytest.mark.parametrize("threads", ["1", "2", "3"])
+def test_host_tensors_encoded_on_threads_into_an_arena_give_each_tensors_own_bytes_and_move_every_base(
+        threads: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A CPU sender encodes its tensors on several threads (largest first), the encodings written into
+    # the memory it keeps across updates: the bytes must be what each tensor gets encoded alone, in the
+    # caller's order, and every base must be the new tensor afterwards, update after update.
+    from weight_sync.native import HostArena
+    from weight_sync.transport.delta import encode_delta_with_positions, encode_deltas
+
+    monkeypatch.setenv("WEIGHT_SYNC_NATIVE_THREADS", threads)
+    arena = HostArena()
+    specs = [(torch.bfloat16, "random", 70_000, 0.02), (torch.float32, "one", 10, 0.0),
+             (torch.bfloat16, "empty", 0, 0.0), (torch.float16, "dense", 3000, 0.0),
+             (torch.bfloat16, "random", 200_001, 0.3), (torch.bfloat16, "empty", 5000, 0.0)]
+    bases = [_pair(dtype, "empty", n, 0.0, seed=i)[0] for i, (dtype, _, n, _) in enumerate(specs)]
+    kept = [b.clone() for b in bases]
+    for update in range(3):
+        news = [_changed(b, pattern, 10 * update + i, density) for i, (b, (_, pattern, _, density))
+                in enumerate(zip(kept, specs))]
+        arena.reset()
+        got = encode_deltas(list(zip(news, kept)), chunk_elems=1 << 16, advance=True, arena=arena)
+        for i, (new, base, (enc, changed)) in enumerate(zip(news, bases, got, strict=True)):
+            want, pos = encode_delta_with_positions(new, base, chunk_elems=1 << 16)
+            assert torch.equal(enc, want), f"update {update}, tensor {i}"
+            assert changed == pos.numel()
+            assert torch.equal(kept[i].view(_INT[new.dtype.itemsize]), new.view(_INT[new.dtype.itemsize]))
+            apply_delta_(base, enc, positions=False)
+        assert arena.nbytes or update == 0  # the arena kept the first update's encodings' size
+
+
 def test_a_group_with_host_bases_moves_only_the_changed_elements_of_each() -> None:
     # A CUDA sender with a pinned base reads the group's changes back once and writes each base's
     # share on the host: positions are in the group's chunk-aligned layout, base i from at[i].

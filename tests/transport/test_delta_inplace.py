@@ -226,3 +226,38 @@ def test_a_delta_writes_into_the_storage_a_tensor_has_now_not_the_one_an_earlier
     for p in (model.model.norm.weight, layer.self_attn.o_proj.weight, layer.mlp.down_proj.weight):
         p.data = p.data.clone()  # same values, another address
     delta(12)
+
+
+@pytest.mark.parametrize("threads", ["1", "2"])
+def test_a_host_scatter_failing_among_threaded_ones_is_raised_and_rollback_undoes_every_other_write(
+    qwen3_a: Path, threads: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Host scatters of one bucket run on several threads: one that fails writes nothing, and every one
+    # that wrote is recorded before the error is raised, so the rollback restores the whole engine.
+    from weight_sync import native
+
+    if not native.enabled():
+        pytest.skip("the numpy twin scatters one tensor at a time, without the threads")
+    monkeypatch.setenv("WEIGHT_SYNC_NATIVE_THREADS", threads)
+    pair = _pair(qwen3_a, None)
+    old = pair["weights"]
+    new = {n: _changed(t, "random", torch.Generator().manual_seed(11)) for n, t in old.items()}
+    before = _tensors(pair["delta"])
+    real, calls = native.scatter_tensors, []
+
+    def scatter(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("scatter number 3 failed")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(native, "scatter_tensors", scatter)
+    pair["version"] += 1
+    session = DeltaSession(_session(pair["delta"], new, pair["version"], rollback=True), pair["base"], "delta")
+    with pytest.raises(RuntimeError, match="scatter number 3"):
+        session.load([(n, encode_delta(new[n], old[n], chunk_elems=1024)) for n in old])
+        session.finish()
+    assert len(calls) > 3  # the others ran (and wrote) before the failure was raised
+    session.abort("a scatter failed")
+    assert _bits_equal(_tensors(pair["delta"]), before)
+    _PAIRS.pop(None)

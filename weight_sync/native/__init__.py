@@ -27,15 +27,22 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
 
-from weight_sync.errors import LayoutMismatchError
+from weight_sync.errors import ConfigError, LayoutMismatchError
+from weight_sync.native.arena import HostArena
 
-__all__ = ["bitmask_positions", "delta_scan", "enabled", "index_positions", "library", "scan_kind", "scatter",
-           "scatter_tensors", "simd"]
+T = TypeVar("T")
+R = TypeVar("R")
+
+__all__ = ["HostArena", "bitmask_positions", "delta_scan", "enabled", "index_positions", "library", "parallel_map", "scan_kind",
+           "scatter", "scatter_tensors", "simd", "threads"]
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +51,10 @@ _FLAGS = ("-O3", "-fPIC", "-shared")
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
+THREADS_ENV = "WEIGHT_SYNC_NATIVE_THREADS"
+_MAX_THREADS = 8
+_pool: tuple[int, int, ThreadPoolExecutor] | None = None  # (pid, workers, pool)
+_local = threading.local()
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
@@ -156,11 +167,66 @@ def _need(lib: ctypes.CDLL | None) -> ctypes.CDLL:
     return lib
 
 
-def delta_scan(new: np.ndarray, base: np.ndarray, chunk: int, *, advance: bool = False
+def threads() -> int:
+    """How many threads the delta passes of one update spread over (tensors encoded, payloads decoded and
+    scattered at once; the kernels run without the GIL): ``$WEIGHT_SYNC_NATIVE_THREADS``, else every core
+    this process may run on, at most 8."""
+    given = os.environ.get(THREADS_ENV)
+    if given is None:
+        return max(1, min(_MAX_THREADS, len(os.sched_getaffinity(0))))
+    try:
+        n = int(given)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ConfigError(f"{THREADS_ENV} must be a positive integer, got {given!r}")
+    return n
+
+
+def parallel_map(fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
+    """``[fn(x) for x in items]`` on :func:`threads` threads, in order. Every call runs to its end before
+    this returns or raises (the first error in ``items``' order), so a caller that records what each
+    call wrote loses none of it: ``fn`` must record its own effects before it raises."""
+    global _pool
+    workers = min(threads(), len(items))
+    if workers < 2:
+        out: list[R] = []
+        failed: BaseException | None = None
+        for x in items:
+            try:
+                out.append(fn(x))
+            except Exception as e:  # raised once every call has run, as on threads
+                failed = failed or e
+        if failed is not None:
+            raise failed
+        return out
+    pid = os.getpid()
+    if _pool is None or _pool[0] != pid or _pool[1] < workers:
+        # A forked child has the parent's pool object but none of its threads: it makes its own.
+        _pool = (pid, max(workers, threads()), ThreadPoolExecutor(max(workers, threads()),
+                                                                  thread_name_prefix="weight_sync-native"))
+    futures = [_pool[2].submit(fn, x) for x in items]
+    wait(futures)
+    return [f.result() for f in futures]
+
+
+def _scratch(name: str, n: int, dtype: np.dtype) -> np.ndarray:
+    """``n`` entries of a buffer this thread keeps and grows (never shrinks): the scans' outputs. Fresh
+    buffers of that size cost their page faults on every update, on a VM host more than the scan."""
+    have = getattr(_local, name, None)
+    if have is None or have.nbytes < n * dtype.itemsize:
+        have = np.empty(max(n * dtype.itemsize, 2 * (0 if have is None else have.nbytes)), dtype=np.uint8)
+        setattr(_local, name, have)
+    return have[: n * dtype.itemsize].view(dtype)
+
+
+def delta_scan(new: np.ndarray, base: np.ndarray, chunk: int, *, advance: bool = False, scratch: bool = False
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(positions, values, counts)`` of the elements whose bytes differ between ``new`` and ``base``
     (flat, contiguous, one integer dtype): ascending int64 positions, ``new``'s values there, and the
-    changed count of every ``chunk`` elements. With ``advance`` the base is moved to ``new`` as well."""
+    changed count of every ``chunk`` elements. With ``advance`` the base is moved to ``new`` as well.
+    ``scratch``: positions and values may lie in this thread's scratch buffers, valid until its next
+    scan (for a caller that copies them out at once)."""
     lib = _need(library())
     n, item = new.size, new.dtype.itemsize
     num_chunks = -(-n // chunk)
@@ -173,8 +239,12 @@ def delta_scan(new: np.ndarray, base: np.ndarray, chunk: int, *, advance: bool =
     at = 0
     while True:
         # 64 entries of slack: the vector scans store whole registers past the last change.
-        pos = np.empty(cap + 64, dtype=np.int64)
-        vals = np.empty(cap + 64, dtype=new.dtype)
+        if scratch and not parts:
+            pos = _scratch("scan_pos", cap + 64, np.dtype(np.int64))
+            vals = _scratch("scan_vals", cap + 64, new.dtype)
+        else:
+            pos = np.empty(cap + 64, dtype=np.int64)
+            vals = np.empty(cap + 64, dtype=new.dtype)
         k = lib.ws_delta_scan(_ptr(new), _ptr(base), n, item, chunk, at, int(advance), _ptr(pos), _ptr(vals),
                               cap, _ptr(counts), ctypes.byref(nxt))
         if k < 0:
@@ -216,12 +286,13 @@ def _scatter_checked(rc: int, item: int, n: int) -> None:
         raise LayoutMismatchError(f"delta scatter: a position lies outside the destination's {n} elements")
 
 
-def scatter_tensors(dst: torch.Tensor, pos: torch.Tensor, vals: torch.Tensor, byte_base: int
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+def scatter_tensors(dst: torch.Tensor, pos: torch.Tensor, vals: torch.Tensor, byte_base: int,
+                    arena: HostArena | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`scatter` of CPU tensors (``dst`` flat and contiguous, of an integer dtype; ``pos`` int64;
-    ``vals`` of ``dst``'s dtype), returning tensors: the overwritten values and the int64 checksum move.
-    The delta apply's path: it holds tensors, and making numpy arrays of them, and reading their
-    addresses through numpy, cost several times the call itself for the small tensors of a delta."""
+    ``vals`` of ``dst``'s dtype), returning tensors: the overwritten values (in ``arena`` where one is
+    given) and the int64 checksum move. The delta apply's path: it holds tensors, and making numpy
+    arrays of them, and reading their addresses through numpy, cost several times the call itself for
+    the small tensors of a delta."""
     lib = _need(library())
     if vals.dtype != dst.dtype or vals.numel() != pos.numel() or pos.dtype != torch.int64:
         raise LayoutMismatchError(f"delta scatter: {vals.numel()} values of {vals.dtype} for {pos.numel()} "
@@ -231,7 +302,7 @@ def scatter_tensors(dst: torch.Tensor, pos: torch.Tensor, vals: torch.Tensor, by
             "delta scatter: the destination, positions and values must be CPU tensors and the destination "
             f"flat and contiguous; got a destination of shape {tuple(dst.shape)} on {dst.device}")
     pos, vals = pos.contiguous(), vals.contiguous()
-    old = torch.empty_like(vals)
+    old = torch.empty_like(vals) if arena is None else torch.from_numpy(arena.take(vals.numel(), vals.numpy().dtype))
     sums = torch.zeros(2, dtype=torch.int64)
     item, n = dst.element_size(), dst.numel()
     _scatter_checked(lib.ws_scatter(dst.data_ptr(), n, pos.data_ptr(), vals.data_ptr(), pos.numel(), item,
@@ -239,14 +310,19 @@ def scatter_tensors(dst: torch.Tensor, pos: torch.Tensor, vals: torch.Tensor, by
     return old, sums
 
 
+def _output(arena: HostArena | None, n: int) -> np.ndarray:
+    return np.empty(n, dtype=np.int64) if arena is None else arena.take(n, np.int64)
+
+
 def index_positions(chunks: np.ndarray, counts: np.ndarray, offsets: np.ndarray, off_bytes: int,
-                    chunk: int) -> np.ndarray:
+                    chunk: int, arena: HostArena | None = None) -> np.ndarray:
     """The flat positions of an encoding's index chunks (``chunks`` ascending, ``counts`` offsets each,
-    ``offsets`` the raw region), refusing an offset outside its chunk or positions that repeat."""
+    ``offsets`` the raw region), refusing an offset outside its chunk or positions that repeat. The
+    positions are written into ``arena`` where one is given."""
     lib = _need(library())
     chunks = np.ascontiguousarray(chunks, dtype=np.int64)
     counts = np.ascontiguousarray(counts, dtype=np.int64)
-    out = np.empty(offsets.size // off_bytes, dtype=np.int64)
+    out = _output(arena, offsets.size // off_bytes)
     rc = lib.ws_index_positions(_ptr(chunks), _ptr(counts), chunks.size, _ptr(np.ascontiguousarray(offsets)),
                                 off_bytes, chunk, _ptr(out))
     if rc == -1:
@@ -256,12 +332,14 @@ def index_positions(chunks: np.ndarray, counts: np.ndarray, offsets: np.ndarray,
     return out
 
 
-def bitmask_positions(bits: np.ndarray, chunks: np.ndarray, chunk: int, want: int) -> np.ndarray:
+def bitmask_positions(bits: np.ndarray, chunks: np.ndarray, chunk: int, want: int,
+                      arena: HostArena | None = None) -> np.ndarray:
     """The flat positions of an encoding's bitmask chunks (``bits``: their concatenated masks, ``chunks``
-    their numbers ascending), refusing masks that set other than the ``want`` bits their table counts."""
+    their numbers ascending), refusing masks that set other than the ``want`` bits their table counts.
+    The positions are written into ``arena`` where one is given."""
     lib = _need(library())
     chunks = np.ascontiguousarray(chunks, dtype=np.int64)
-    out = np.empty(want + 8, dtype=np.int64)
+    out = _output(arena, want + 8)
     k = lib.ws_bitmask_positions(_ptr(np.ascontiguousarray(bits)), bits.size, _ptr(chunks), chunk, _ptr(out),
                                  out.size)
     if k != want:

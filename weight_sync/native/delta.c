@@ -136,9 +136,11 @@ scan2_avx2(const uint16_t *restrict a, uint16_t *restrict b, int64_t n, int64_t 
                 m |= (uint64_t)(~(unsigned)_mm_movemask_epi8(bytes) & 0xFFFFu) << (16 * q);
             }
             if (!m) continue;
+            /* The whole step is stored, its unchanged quarters included: a branch per quarter (changed
+             * or not, about even odds at RL densities) mispredicted so often that it cost more than the
+             * compare (scan of 0.6 G bf16 at 2%: 0.20-0.28 s with it, 0.13-0.16 s without, one core). */
             if (advance)
-                for (int q = 0; q < 4; q++)
-                    if (m >> (16 * q) & 0xFFFFu) _mm256_storeu_si256((__m256i *)(b + i + 16 * q), x[q]);
+                for (int q = 0; q < 4; q++) _mm256_storeu_si256((__m256i *)(b + i + 16 * q), x[q]);
             const uint16_t *xs = a + i;
             for (int r = 0; r < 4; r++) {
                 uint64_t j = _tzcnt_u64(m); /* 64 when no bit is left: written, not counted */

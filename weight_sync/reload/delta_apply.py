@@ -141,6 +141,9 @@ class InPlaceUpdate:
         self.applier = applier
         self.session = session
         self.mode = mode
+        # The last update's host positions and old values are not needed any more (its rollback ran or
+        # it committed): this one writes over them.
+        applier.arena.reset()
         self.state: ModelState = session.state
         self.routes = applier.routes_for(session, mode)
         # A full update's routes, and what they were derived from, for the deltas after it (commit()).
@@ -166,6 +169,10 @@ class InPlaceUpdate:
         # (write, live tensor, its written region), and into model-format copies (nothing kept).
         self._live_queue: dict[int, list[tuple[ScatterWrite, torch.Tensor, torch.Tensor]]] = {}
         self._copy_queue: dict[int, list[ScatterWrite]] = {}
+        # Host writes into live tensors of one write_decoded call, run on native.parallel_map's threads
+        # (the scatters run without the GIL): (live tensor, its written region, indices, values, byte
+        # offset of the region in the tensor). None outside that call: then they are written at once.
+        self._host_queue: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]] | None = None
         # The grouped launches' checksum moves: per device an int64 [slots, 2] the kernel adds to, and
         # each live tensor's slot (by id); read back once, by the fingerprint.
         self._sum_slots: dict[torch.device, torch.Tensor] = {}
@@ -262,7 +269,7 @@ class InPlaceUpdate:
             return
         t0 = time.perf_counter()
         # Every payload decoded and checked whole before the first write (on a device: together).
-        decoded = decode_deltas([(payload, numel, dtype) for _, payload, numel, dtype, _ in items])
+        decoded = decode_deltas([(payload, numel, dtype) for _, payload, numel, dtype, _ in items], self.applier.arena)
         self.write_decoded(items, decoded, marked)
         self._write_queued()  # before flush(): the whole requantization reads the written copies
         self.flush()
@@ -274,17 +281,52 @@ class InPlaceUpdate:
         if not items:
             return
         grouped = grouped_scatter_available(items[0][1].device)
-        for (name, payload, _, dtype, targets), (pos, vals) in zip(items, decoded):
-            for t in targets:
-                info = self.state.layers[t.layer]
-                idx, v = select(t, pos, vals)
-                if t.kind == "live":
-                    self._scatter(info, t, idx, v, dtype, grouped)
-                else:
-                    self._requantize(info, t, idx, v, dtype, grouped)
-            if not marked:
-                self.session.mark_applied(name, payload.numel())  # applied here, not through load()
-            self.num_in_place += 1
+        # Host scatters wait for the end of the loop and run on several threads (a failure before then
+        # drops them unwritten: nothing of theirs to roll back).
+        self._host_queue = [] if native.enabled() else None
+        try:
+            for (name, payload, _, dtype, targets), (pos, vals) in zip(items, decoded):
+                for t in targets:
+                    info = self.state.layers[t.layer]
+                    idx, v = select(t, pos, vals)
+                    if t.kind == "live":
+                        self._scatter(info, t, idx, v, dtype, grouped)
+                    else:
+                        self._requantize(info, t, idx, v, dtype, grouped)
+                if not marked:
+                    self.session.mark_applied(name, payload.numel())  # applied here, not through load()
+                self.num_in_place += 1
+            queue = self._host_queue
+        finally:
+            self._host_queue = None
+        if queue:
+            self._write_host_queue(queue)
+
+    def _write_host_queue(self, queue: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]]
+                          ) -> None:
+        """The queued host scatters, on several threads; each one's old values and checksum move are
+        recorded (in queue order) before the first failure, if any, is raised: a scatter that fails
+        writes nothing, and every one that wrote can be rolled back."""
+        def run(job: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]
+                ) -> tuple[torch.Tensor, torch.Tensor] | BaseException:
+            _, region, idx, v, byte_base = job
+            try:
+                return native.scatter_tensors(region, idx, v, byte_base, arena)
+            except Exception as e:  # raised below, after the others are recorded
+                return e
+
+        arena = self.applier.arena
+        failed: BaseException | None = None
+        for (live, region, idx, _, _), done in zip(queue, native.parallel_map(run, queue)):
+            if isinstance(done, BaseException):
+                failed = failed or done
+                continue
+            old, moved = done
+            self._sum_changes.setdefault(id(live), []).append(moved)
+            if self.session.rollback:
+                self._element_snaps.append((region, idx, old))
+        if failed is not None:
+            raise failed
 
     def flush(self) -> None:
         """Requantize the weights whose changes were only written into their model-format copies (see
@@ -380,6 +422,9 @@ class InPlaceUpdate:
         if d.device.type == "cpu":
             # numpy (or one native pass: gather, write and checksum move together): a fraction of torch's
             # per-call overhead, and this runs for every tensor of a delta.
+            if self._host_queue is not None:
+                self._host_queue.append((live, region, idx, v, t.dst_offset * size))
+                return
             if native.enabled():
                 old, moved = native.scatter_tensors(region, idx, v, t.dst_offset * size)
             else:

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from weight_sync import native
 from weight_sync.errors import LayoutMismatchError
 from weight_sync.quant.fp8 import Fp8LinearMethod
 from weight_sync.quant.online import OnlineQuantLinearMethod
@@ -94,6 +95,9 @@ class DeltaApplier:
         self._routes: tuple[tuple[Any, ...], dict[str, tuple[Target, ...] | None]] | None = None
         # Per target of those routes (by id; the entry names its target): its destination's views.
         self._dst: dict[int, _LiveDst | _QuantDst] = {}
+        # The host decode's positions and the scatters' old values of one update at a time (kept for
+        # its rollback until it ends); InPlaceUpdate resets it when the next update begins.
+        self.arena = native.HostArena()
 
     def routes_for(self, session: Any, mode: str) -> dict[str, tuple[Target, ...] | None]:
         """Every expected key's route for an update of ``session`` (a copy the update may extend).

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from weight_sync import native
 from weight_sync.errors import ConfigError, LayoutMismatchError
 from weight_sync.reload.lanes import to_device
 from weight_sync.transport.delta_cpu import encode_cpu, sparse_positions_cpu
@@ -190,11 +191,9 @@ def encode_delta_with_positions(
     native scan does it in its pass; otherwise :func:`copy_changed_` after the encode)."""
     vals, old = _int_views(new, base, chunk_elems)
     if vals.device.type == "cpu":
-        # The scan may write the base only where ``old`` is the base's own memory, not a copy of it.
-        in_place = advance and old.data_ptr() == base.data_ptr() and base.is_contiguous()
-        out_np, pos_np, advanced = encode_cpu(vals.numpy(), old.numpy(), chunk_elems, new.dtype.itemsize,
-                                              advance=in_place)
-        out, pos = torch.from_numpy(out_np), torch.from_numpy(pos_np)
+        out, pos_np, _, advanced = _encode_host(vals, old, base, chunk_elems, advance, positions=True)
+        assert pos_np is not None
+        pos = torch.from_numpy(pos_np)
     else:
         out, pos = _encode_torch(vals, old, chunk_elems, new.dtype.itemsize)
         advanced = False
@@ -203,24 +202,58 @@ def encode_delta_with_positions(
     return out, pos
 
 
+def _encode_host(vals: torch.Tensor, old: torch.Tensor, base: torch.Tensor, chunk_elems: int, advance: bool,
+                 positions: bool, arena: native.HostArena | None = None
+                 ) -> tuple[torch.Tensor, np.ndarray | None, int, bool]:
+    """:func:`~weight_sync.transport.delta_cpu.encode_cpu` of host integer views: (encoding, positions
+    if asked, changed count, whether the base was moved)."""
+    # The scan may write the base only where ``old`` is the base's own memory, not a copy of it.
+    in_place = advance and old.data_ptr() == base.data_ptr() and base.is_contiguous()
+    out, pos, count, advanced = encode_cpu(vals.numpy(), old.numpy(), chunk_elems, vals.dtype.itemsize,
+                                           advance=in_place, positions=positions, arena=arena)
+    return torch.from_numpy(out), pos, count, advanced
+
+
+def _encode_counted(new: torch.Tensor, base: torch.Tensor, chunk_elems: int, advance: bool,
+                    arena: native.HostArena | None) -> tuple[torch.Tensor, int]:
+    """One host pair's encoding (in ``arena`` where given) and changed count (the base moved if
+    ``advance``), without keeping the positions: the scan works in its thread's scratch buffers."""
+    vals, old = _int_views(new, base, chunk_elems)
+    scan_moves_base = native.enabled() and old.data_ptr() == base.data_ptr() and base.is_contiguous()
+    out, pos, count, advanced = _encode_host(vals, old, base, chunk_elems, advance,
+                                             positions=advance and not scan_moves_base, arena=arena)
+    if advance and not advanced:
+        # No native scan (or a base that is not one contiguous tensor): the positions were kept for this.
+        assert pos is not None
+        copy_changed_(base, new, torch.from_numpy(pos))
+    return out, count
+
+
 def encode_deltas(
     pairs: list[tuple[torch.Tensor, torch.Tensor]], *, chunk_elems: int = DEFAULT_CHUNK_ELEMS,
-    advance: bool = False,
+    advance: bool = False, arena: native.HostArena | None = None,
 ) -> list[tuple[torch.Tensor, int]]:
     """:func:`encode_delta` of several ``(new, base)`` pairs (the same bytes) with each one's count of
     changed elements. Pairs on a CUDA device are encoded together per item size with one device sync
     (``weight_sync.transport.delta_encode_group``); host pairs one by one (the native scan has no
-    launches to save). ``advance``: every base is moved to its new tensor as well."""
+    launches to save), on :func:`weight_sync.native.threads` threads, their encodings written into
+    ``arena`` where one is given. ``advance``: every base is moved to its new tensor as well."""
     from weight_sync.transport.delta_encode_group import encode_group
 
     out: list[tuple[torch.Tensor, int] | None] = [None] * len(pairs)
     groups: dict[tuple[torch.device, int], list[int]] = {}
-    for i, (new, base) in enumerate(pairs):
+    host: list[int] = []
+    for i, (new, _) in enumerate(pairs):
         if new.device.type == "cpu":
-            enc, pos = encode_delta_with_positions(new, base, chunk_elems=chunk_elems, advance=advance)
-            out[i] = (enc, pos.numel())
+            host.append(i)
         else:
             groups.setdefault((new.device, new.dtype.itemsize), []).append(i)
+    # Host pairs on several threads (the scans run without the GIL), the largest first so that the
+    # last to finish is a small one; each writes only its own base and encoding.
+    host.sort(key=lambda i: -pairs[i][0].numel())
+    for i, done in zip(host, native.parallel_map(
+            lambda i: _encode_counted(pairs[i][0], pairs[i][1], chunk_elems, advance, arena), host)):
+        out[i] = done
     for at in groups.values():
         for i, done in zip(at, encode_group([pairs[i] for i in at], chunk_elems, advance=advance)):
             out[i] = done
@@ -471,13 +504,14 @@ def raise_failed(checks: Checks) -> None:
                 raise LayoutMismatchError(f"delta payload: {message}")
 
 
-def _sparse_positions(p: _Parsed, numel: int, dev: torch.device,
-                      checks: Checks | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _sparse_positions(p: _Parsed, numel: int, dev: torch.device, checks: Checks | None = None,
+                      arena: native.HostArena | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Flat positions of the bitmask chunks' changes and of the index chunks' changes, each in element
     order (the order of their values in the sparse region), checked against the region and the tensor
-    (on the device, the checks go to ``checks`` when given, for the caller to read back before any write)."""
+    (on the device, the checks go to ``checks`` when given, for the caller to read back before any write;
+    on the host, the positions go into ``arena`` when given)."""
     if dev.type == "cpu":
-        return sparse_positions_cpu(p, numel)
+        return sparse_positions_cpu(p, numel, arena)
     return _sparse_positions_torch(p, numel, dev, checks)
 
 
@@ -543,11 +577,12 @@ def decode_delta(payload: torch.Tensor, numel: int, dtype: torch.dtype, *, head:
     return decode_parsed(_parse(payload, numel, dtype, head), numel, payload.device, checks)
 
 
-def decode_parsed(p: _Parsed, numel: int, dev: torch.device,
-                  checks: Checks | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`decode_delta` of a payload already parsed (``_parse``), on ``dev``."""
+def decode_parsed(p: _Parsed, numel: int, dev: torch.device, checks: Checks | None = None,
+                  arena: native.HostArena | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`decode_delta` of a payload already parsed (``_parse``), on ``dev`` (host positions written
+    into ``arena`` where one is given)."""
     sparse, plain = p.regions[2], p.regions[3]
-    bpos, ipos = _sparse_positions(p, numel, dev, checks)
+    bpos, ipos = _sparse_positions(p, numel, dev, checks, arena)
     if not plain.numel():
         return (bpos if not ipos.numel() else ipos if not bpos.numel() else torch.cat([bpos, ipos])), sparse
     plain_pos = _plain_positions(_plain_chunks(p), p.chunk_elems, numel, dev,

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from weight_sync import native
 from weight_sync.reload.lanes import to_device
 from weight_sync.transport.delta import (
     FORM_BITMASK,
@@ -49,12 +50,14 @@ class _Item:
     numel: int
 
 
-def decode_deltas(items: list[tuple[torch.Tensor, int, torch.dtype]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def decode_deltas(items: list[tuple[torch.Tensor, int, torch.dtype]], arena: native.HostArena | None = None
+                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """:func:`~weight_sync.transport.delta.decode_delta` of every ``(payload, numel, dtype)``: the same
     (positions, values) per payload, in order, every payload checked before this returns. Payloads on
-    the host are parsed together and decoded one by one (numpy's decode has no launches to save); those
-    on a device are decoded together per chunk size, their checks read back once. A failed batch check
-    is re-run payload by payload so the error names the payload's problem.
+    the host are parsed together and decoded one per thread (numpy's decode has no launches to save),
+    their positions written into ``arena`` where one is given; those on a device are decoded together
+    per chunk size, their checks read back once. A failed batch check is re-run payload by payload so
+    the error names the payload's problem.
     """
     out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(items)
     on_device: dict[torch.device, list[int]] = {}
@@ -62,11 +65,14 @@ def decode_deltas(items: list[tuple[torch.Tensor, int, torch.dtype]]) -> list[tu
     for i, (payload, _, _) in enumerate(items):
         (on_host if payload.device.type == "cpu" else on_device.setdefault(payload.device, [])).append(i)
     if on_host:
-        # Parsed together (a per-payload parse is tens of microseconds of numpy calls), decoded one by
-        # one: the native / numpy decode has no launches to save, and checks each payload as it goes.
+        # Parsed together (a per-payload parse is tens of microseconds of numpy calls), decoded one per
+        # thread (the native decode runs without the GIL): there are no launches to save, and each
+        # payload is checked as it is decoded; a bad one raises once every decode has ended.
         cpu = torch.device("cpu")
-        for i, p in zip(on_host, parse_many([items[i] for i in on_host])):
-            out[i] = decode_parsed(p, items[i][1], cpu)
+        parsed = list(zip(on_host, parse_many([items[i] for i in on_host])))
+        for i, decoded in zip(on_host, native.parallel_map(lambda ip: decode_parsed(ip[1], items[ip[0]][1], cpu, None, arena),
+                                                            parsed)):
+            out[i] = decoded
     own: Checks = []
     for dev, at in on_device.items():
         for i, decoded in zip(at, decode_together([items[i] for i in at], dev, own)):

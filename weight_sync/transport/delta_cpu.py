@@ -49,19 +49,24 @@ def _chunk_rows(a: np.ndarray, chunks: np.ndarray, ce: int, pad: bool | None) ->
     return np.concatenate([out, tail])
 
 
-def encode_cpu(vals: np.ndarray, old: np.ndarray, ce: int, item: int, *, advance: bool = False
-               ) -> tuple[np.ndarray, np.ndarray, bool]:
-    """``(encoding, sorted changed positions, advanced)`` of integer views ``vals`` over ``old``.
+def encode_cpu(vals: np.ndarray, old: np.ndarray, ce: int, item: int, *, advance: bool = False,
+               positions: bool = True, arena: native.HostArena | None = None
+               ) -> tuple[np.ndarray, np.ndarray | None, int, bool]:
+    """``(encoding, sorted changed positions, changed count, advanced)`` of integer views ``vals`` over
+    ``old``.
 
     ``advance``: the caller also wants ``old`` moved to ``vals`` (``old`` is its base, not a copy); the
     native scan does it as it goes and ``advanced`` says so, else the caller still has to.
+    ``positions``: False when the caller needs only the count (positions None): the scan then writes
+    into this thread's scratch buffers instead of fresh ones. ``arena``: where the encoding of a tensor
+    with changes is written (else a fresh array).
     """
     numel = vals.size
     num_chunks = -(-numel // ce)
     mask: np.ndarray | None = None
     changed: np.ndarray | None = None  # the new values at ``pos``, where the scan gathered them
     if native.enabled():
-        pos, changed, counts = native.delta_scan(vals, old, ce, advance=advance)
+        pos, changed, counts = native.delta_scan(vals, old, ce, advance=advance, scratch=not positions)
     else:
         advance = False
         # numpy's compare and flatnonzero run ~2x faster than torch's CPU kernels on one thread (measured
@@ -75,7 +80,7 @@ def encode_cpu(vals: np.ndarray, old: np.ndarray, ce: int, item: int, *, advance
         # 'same' chunks, without the form decisions' dozen small-array operations.
         out = np.zeros(16 + _align8(8 * num_chunks), dtype=np.uint8)
         out[:16].view(np.int32)[:] = (MAGIC, ce, num_chunks, item)
-        return out, pos, advance
+        return out, pos if positions else None, 0, advance
     form = _forms(counts, ce, numel, item)
     is_bm, is_ix, is_pl = form == FORM_BITMASK, form == FORM_INDEX, form == FORM_PLAIN
     n_bm, n_ix, n_pl = int(is_bm.sum()), int(is_ix.sum()), int(is_pl.sum())
@@ -100,7 +105,7 @@ def encode_cpu(vals: np.ndarray, old: np.ndarray, ce: int, item: int, *, advance
     sizes = (16 + 8 * num_chunks, n_bm * (ce // 8), sel_i.size * off_bytes, (sel_b.size + sel_i.size) * item,
              n_plain * item)
     starts = np.cumsum([0, *(_align8(n) for n in sizes)]).tolist()
-    out = np.empty(starts[-1], dtype=np.uint8)
+    out = np.empty(starts[-1], dtype=np.uint8) if arena is None else arena.take(starts[-1], np.uint8)
     for a, n, e in zip(starts, sizes, starts[1:]):
         out[a + n : e] = 0  # the alignment padding
     region = [out[a : a + n] for a, n in zip(starts, sizes)]
@@ -138,12 +143,14 @@ def encode_cpu(vals: np.ndarray, old: np.ndarray, ce: int, item: int, *, advance
     if n_plain:
         plain = region[4].view(vals.dtype)
         plain[:] = vals if all_plain else _chunk_rows(vals, np.flatnonzero(is_pl), ce, None)
-    return out, pos, advance
+    return out, pos if positions else None, int(pos.size), advance
 
 
-def sparse_positions_cpu(p: _Parsed, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+def sparse_positions_cpu(p: _Parsed, numel: int, arena: native.HostArena | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """The flat positions of an encoding's bitmask chunks' and index chunks' changes (each ascending),
-    checked against the encoding's regions and the tensor: the CPU twin of the torch decoder."""
+    checked against the encoding's regions and the tensor: the CPU twin of the torch decoder. The native
+    decode writes them into ``arena`` where one is given."""
     ce = p.chunk_elems
     bitmask, offsets, sparse, _ = p.regions
     form, counts = p.form, p.counts
@@ -152,7 +159,7 @@ def sparse_positions_cpu(p: _Parsed, numel: int) -> tuple[torch.Tensor, torch.Te
     if bitmask.numel():
         chunks = np.flatnonzero(form == FORM_BITMASK)
         if fast:
-            bpos = native.bitmask_positions(bitmask.numpy(), chunks, ce, int(counts[chunks].sum()))
+            bpos = native.bitmask_positions(bitmask.numpy(), chunks, ce, int(counts[chunks].sum()), arena)
         else:
             hit = np.flatnonzero(np.unpackbits(bitmask.numpy(), bitorder="little"))  # bit k of byte j: 8j + k
             c, within = np.divmod(hit, ce)
@@ -161,7 +168,7 @@ def sparse_positions_cpu(p: _Parsed, numel: int) -> tuple[torch.Tensor, torch.Te
         chunks = np.flatnonzero(form == FORM_INDEX)
         raw = offsets.numpy()
         if fast:
-            ipos = native.index_positions(chunks, counts[chunks], raw, _offset_bytes(ce), ce)
+            ipos = native.index_positions(chunks, counts[chunks], raw, _offset_bytes(ce), ce, arena)
         else:
             if _offset_bytes(ce) == 2:
                 off = raw.view(np.int16).astype(np.int64) + OFFSET16_BIAS

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from weight_sync import native
 from weight_sync.errors import DeltaBaseError, DuplicateTensorError, ManifestError, TransportError
 from weight_sync.manifest import Manifest, TensorMeta
 from weight_sync.reload.delta_apply import DeltaApplier, InPlaceUpdate
@@ -95,6 +96,9 @@ class DeltaSender:
         self.version: Any = None  # None: no base every engine committed
         self.fingerprints: list[str | None] = []
         self.last_stats: dict[str, Any] = {}
+        # Host encodings of one delta update at a time, kept across updates (their page faults cost
+        # more than the encode on a VM host); reset when the next update begins.
+        self.arena = native.HostArena()
 
     @property
     def nbytes(self) -> int:
@@ -144,6 +148,7 @@ class DeltaSender:
         # written): until every engine commits, the base is no committed version (version None).
         committed, fingerprints = self.version, self.fingerprints
         self.version = None
+        self.arena.reset()  # the last update's encodings are sent (or were refused)
         encodings, stats = self._encode(pairs, manifest)
         info = {"mode": "delta", "base_version": committed, "base_fingerprints": fingerprints,
                 "wire": [int(e.numel()) for e in encodings]}
@@ -182,7 +187,7 @@ class DeltaSender:
         def encode_group() -> None:
             nonlocal changed, numel
             # Encoded together (one device sync per group on CUDA), the bases moved to the new bytes.
-            encoded = encode_deltas(group, chunk_elems=self.chunk_elems, advance=True)
+            encoded = encode_deltas(group, chunk_elems=self.chunk_elems, advance=True, arena=self.arena)
             for (t, _), (enc, k) in zip(group, encoded):
                 changed, numel = changed + k, numel + t.numel()
                 encodings.append(enc)
@@ -192,8 +197,11 @@ class DeltaSender:
             name, t = next(pairs)
             _check(name, t, meta)
             group.append((t, self.tensors[name]))
-            group_bytes += t.numel() * t.element_size()
-            if group_bytes >= _ENCODE_GROUP_BYTES or t.device.type == "cpu":
+            if t.device.type != "cpu":
+                # Host tensors wait for the end: encoded together, on several threads (no device
+                # staging memory to bound).
+                group_bytes += t.numel() * t.element_size()
+            if group_bytes >= _ENCODE_GROUP_BYTES:
                 encode_group()
                 group_bytes = 0
         encode_group()
