@@ -325,7 +325,7 @@ def _markdown(result: dict[str, Any]) -> str:
         "requantization) and its fingerprint inside it.",
         "",
         "Bound: one compare pass over both versions' bytes on the sender (`ne` into a preallocated mask, "
-        "best of 3), the least work an exact delta sender does before it knows what to send; no exact "
+        "on the delta kernels' threads, best of 3), the least work an exact delta sender does before it knows what to send; no exact "
         "sender's 'time delta / full' can be below 'bound / full' (a lower bound: the update's control "
         "round trips come on top). Traffic: the bytes any exact delta moves through this host's memory "
         "(the sender reads both versions and writes its base's changed 64-byte lines, the engine reads "

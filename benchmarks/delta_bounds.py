@@ -2,9 +2,9 @@
 
 Two bounds, both for new weights ``b`` over base ``a`` (same names, shapes and dtypes):
 
-- **compare**: one pass that reads both versions and writes a byte per element, at the sender's own
-  thread count (what the benchmark's sender rank runs with); the least work before a sender knows what
-  to send.
+- **compare**: one pass that reads both versions and writes a byte per element, on as many threads as
+  the sender's delta kernels use (``weight_sync.native.threads``: tensors compared at once, numpy
+  releasing the GIL); the least work before a sender knows what to send.
 - **traffic**: the bytes any exact delta must move through this host's memory, divided by the fastest
   rate measured here with every core. Sender: read both versions (``2 * B``), write its base's changed
   64-byte lines back (``L * 64``, its read folded into the compare). Engine: read and write each of its
@@ -37,7 +37,8 @@ def _best_of_3(device: str, fn: Callable[[], Any]) -> float:
 
 
 def compare_bound_s(device: str, a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    """Seconds of one compare pass over both versions (``ne`` into preallocated masks), best of three."""
+    """Seconds of one compare pass over both versions (``ne`` into preallocated masks; on CPU on the delta
+    kernels' threads, the largest tensors first), best of three."""
     pairs = [(_as_int(b[n]), _as_int(t)) for n, t in a.items()]
     masks = [torch.empty(x.shape, dtype=torch.bool, device=x.device) for x, _ in pairs]
 
@@ -45,8 +46,10 @@ def compare_bound_s(device: str, a: dict[str, torch.Tensor], b: dict[str, torch.
         if device == "cpu":
             import numpy as np
 
-            for (x, y), m in zip(pairs, masks):
-                np.not_equal(x.numpy(), y.numpy(), out=m.numpy())
+            from weight_sync import native
+
+            native.parallel_map(lambda i: np.not_equal(pairs[i][0].numpy(), pairs[i][1].numpy(), out=masks[i].numpy()),
+                                sorted(range(len(pairs)), key=lambda i: -pairs[i][0].numel()))
         else:
             for (x, y), m in zip(pairs, masks):
                 torch.ne(x, y, out=m)

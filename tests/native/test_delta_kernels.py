@@ -61,6 +61,28 @@ def test_the_scan_finds_the_changed_positions_values_and_chunk_counts_numpy_find
     assert np.array_equal(counts, np.diff(np.searchsorted(want, np.arange(num_chunks + 1) * chunk)))
 
 
+@pytest.mark.parametrize("item", [1, 2, 4, 8])
+@pytest.mark.parametrize("n, chunk", [(0, 64), (7, 8), (1000, 64), (200_001, 1 << 16), (5000, 1000)])
+@pytest.mark.parametrize("density", [0.0, 0.02, 0.3, 1.0])
+def test_the_offsets_scan_stores_each_change_as_its_encoded_16_bit_offset_and_moves_the_base_alike(
+    item: int, n: int, chunk: int, density: float, scan_kind: str
+) -> None:
+    new, base = _pair(item, n, density, seed=n + 3 * item)
+    pos, vals, counts = native.delta_scan(new, base.copy(), chunk)
+    moved = base.copy()
+    off, off_vals, off_counts = native.delta_scan(new, moved, chunk, advance=True, offsets=True)
+    assert off.dtype == np.uint16
+    assert np.array_equal(off, ((pos % chunk) ^ 0x8000).astype(np.uint16))  # offset - 32768 as int16 bits
+    assert np.array_equal(off_vals, vals) and np.array_equal(off_counts, counts)
+    assert np.array_equal(moved, new)
+
+
+def test_the_offsets_scan_refuses_chunks_its_offsets_cannot_address() -> None:
+    new, base = _pair(2, 10, 0.5, seed=1)
+    with pytest.raises(LayoutMismatchError, match="65536"):
+        native.delta_scan(new, base, (1 << 16) + 8, offsets=True)
+
+
 @pytest.mark.parametrize("density", [0.001, 0.02, 0.6])
 def test_the_scan_continues_in_a_larger_buffer_when_dense_and_advance_moves_the_base(
         scan_kind: str, density: float) -> None:

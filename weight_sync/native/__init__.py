@@ -59,6 +59,7 @@ _local = threading.local()
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
     "ws_delta_scan": (_I64, [_P, _P, _I64, _INT, _I64, _I64, _INT, _P, _P, _I64, _P, _P]),
+    "ws_delta_scan_offsets": (_I64, [_P, _P, _I64, _INT, _I64, _I64, _INT, _P, _P, _I64, _P, _P]),
     "ws_scatter": (_INT, [_P, _I64, _P, _P, _I64, _INT, _I64, _P, _P]),
     "ws_index_positions": (_INT, [_P, _P, _I64, _P, _INT, _I64, _P]),
     "ws_bitmask_positions": (_I64, [_P, _I64, _P, _I64, _P, _I64]),
@@ -220,18 +221,24 @@ def _scratch(name: str, n: int, dtype: np.dtype) -> np.ndarray:
     return have[: n * dtype.itemsize].view(dtype)
 
 
-def delta_scan(new: np.ndarray, base: np.ndarray, chunk: int, *, advance: bool = False, scratch: bool = False
-               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def delta_scan(new: np.ndarray, base: np.ndarray, chunk: int, *, advance: bool = False, scratch: bool = False,
+               offsets: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(positions, values, counts)`` of the elements whose bytes differ between ``new`` and ``base``
     (flat, contiguous, one integer dtype): ascending int64 positions, ``new``'s values there, and the
     changed count of every ``chunk`` elements. With ``advance`` the base is moved to ``new`` as well.
-    ``scratch``: positions and values may lie in this thread's scratch buffers, valid until its next
-    scan (for a caller that copies them out at once)."""
+    ``offsets`` (chunks of at most 64 Ki elements): instead of positions, each change's offset in its
+    chunk as an encoding stores 16-bit index offsets (uint16, the offset less 32768 in two's
+    complement). ``scratch``: positions and values may lie in this thread's scratch buffers, valid
+    until its next scan (for a caller that copies them out at once)."""
     lib = _need(library())
     n, item = new.size, new.dtype.itemsize
+    if offsets and chunk > 1 << 16:
+        raise LayoutMismatchError(f"delta scan: 16-bit offsets need chunks of at most 65536 elements, got {chunk}")
     num_chunks = -(-n // chunk)
     counts = np.empty(num_chunks, dtype=np.int64)
     nxt = ctypes.c_int64(0)
+    pos_type = np.dtype(np.uint16 if offsets else np.int64)
+    scan = lib.ws_delta_scan_offsets if offsets else lib.ws_delta_scan
     # Room for about 3% changed plus one chunk; a denser tensor continues into a larger buffer (the scan
     # stops at a chunk boundary when the next chunk might not fit).
     cap = min(n, n // 32 + chunk)
@@ -240,13 +247,13 @@ def delta_scan(new: np.ndarray, base: np.ndarray, chunk: int, *, advance: bool =
     while True:
         # 64 entries of slack: the vector scans store whole registers past the last change.
         if scratch and not parts:
-            pos = _scratch("scan_pos", cap + 64, np.dtype(np.int64))
+            pos = _scratch("scan_pos", cap + 64, pos_type)
             vals = _scratch("scan_vals", cap + 64, new.dtype)
         else:
-            pos = np.empty(cap + 64, dtype=np.int64)
+            pos = np.empty(cap + 64, dtype=pos_type)
             vals = np.empty(cap + 64, dtype=new.dtype)
-        k = lib.ws_delta_scan(_ptr(new), _ptr(base), n, item, chunk, at, int(advance), _ptr(pos), _ptr(vals),
-                              cap, _ptr(counts), ctypes.byref(nxt))
+        k = scan(_ptr(new), _ptr(base), n, item, chunk, at, int(advance), _ptr(pos), _ptr(vals), cap, _ptr(counts),
+                 ctypes.byref(nxt))
         if k < 0:
             raise LayoutMismatchError(f"delta scan: item size {item} is not 1, 2, 4 or 8 bytes")
         parts.append((pos[:k], vals[:k]))

@@ -24,9 +24,9 @@ static inline uint64_t diff_words(const unsigned char *a, const unsigned char *b
  * group's 8 elements are emitted branch-free (position and value written, the count advanced by the
  * compare). With `advance`, a changed group is also copied over the base (its unchanged elements hold the
  * same bytes already), which moves the base to the new version for the cost of the copy. */
-#define SCAN(T, NAME)                                                                                    \
+#define SCAN(T, NAME, PT, PVAL)                                                                          \
     static int64_t NAME(const T *restrict a, T *restrict b, int64_t n, int64_t chunk, int64_t c0,       \
-                        int advance, int64_t *restrict pos, T *restrict vals, int64_t cap,              \
+                        int advance, PT *restrict pos, T *restrict vals, int64_t cap,                   \
                         int64_t *restrict counts, int64_t *restrict next) {                             \
         enum { G = 64, S = 8, GW = G * sizeof(T) / 8, SW = S * sizeof(T) / 8 }; \
         int64_t k = 0, nchunks = (n + chunk - 1) / chunk, c;                                             \
@@ -41,7 +41,7 @@ static inline uint64_t diff_words(const unsigned char *a, const unsigned char *b
                     T *y = b + i + s;                                                                    \
                     if (!diff_words((const unsigned char *)x, (const unsigned char *)y, SW)) continue;   \
                     for (int j = 0; j < S; j++) {                                                        \
-                        pos[k] = i + s + j;                                                              \
+                        pos[k] = PVAL(i + s + j, lo);                                                    \
                         vals[k] = x[j];                                                                  \
                         k += x[j] != y[j];                                                               \
                     }                                                                                    \
@@ -49,7 +49,7 @@ static inline uint64_t diff_words(const unsigned char *a, const unsigned char *b
                 }                                                                                        \
             }                                                                                            \
             for (; i < hi; i++) {                                                                        \
-                pos[k] = i;                                                                              \
+                pos[k] = PVAL(i, lo);                                                                    \
                 vals[k] = a[i];                                                                          \
                 k += a[i] != b[i];                                                                       \
                 if (advance) b[i] = a[i];                                                                \
@@ -59,25 +59,38 @@ static inline uint64_t diff_words(const unsigned char *a, const unsigned char *b
         *next = c;                                                                                       \
         return k;                                                                                        \
     }
-SCAN(uint8_t, scan1)
-SCAN(uint16_t, scan2)
-SCAN(uint32_t, scan4)
-SCAN(uint64_t, scan8)
+/* What a scan stores per change: the flat position, or (the `_off` scans, chunks of at most 64 Ki) its
+ * offset in its chunk as an encoding's 16-bit index offsets are stored, less 32768: the encoder then
+ * copies them as they are instead of converting 8-byte positions in another pass. */
+#define POS64(at, lo) ((void)(lo), (at))
+#define OFF16(at, lo) ((uint16_t)(((at) - (lo)) ^ 0x8000))
+SCAN(uint8_t, scan1, int64_t, POS64)
+SCAN(uint16_t, scan2, int64_t, POS64)
+SCAN(uint32_t, scan4, int64_t, POS64)
+SCAN(uint64_t, scan8, int64_t, POS64)
+SCAN(uint8_t, scan1_off, uint16_t, OFF16)
+SCAN(uint16_t, scan2_off, uint16_t, OFF16)
+SCAN(uint32_t, scan4_off, uint16_t, OFF16)
+SCAN(uint64_t, scan8_off, uint16_t, OFF16)
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 
-/* A vector scan's last elements of a chunk [i, hi), one by one as the portable scan does them. */
-static inline int64_t tail2(const uint16_t *restrict a, uint16_t *restrict b, int64_t i, int64_t hi, int advance,
-                            int64_t *restrict pos, uint16_t *restrict vals, int64_t k) {
-    for (; i < hi; i++) {
-        pos[k] = i;
-        vals[k] = a[i];
-        k += a[i] != b[i];
-        if (advance) b[i] = a[i];
+/* A vector scan's last elements of a chunk [lo.. i, hi), one by one as the portable scan does them. */
+#define TAIL2(NAME, PT, PVAL)                                                                            \
+    static inline int64_t NAME(const uint16_t *restrict a, uint16_t *restrict b, int64_t lo, int64_t i, \
+                               int64_t hi, int advance, PT *restrict pos, uint16_t *restrict vals,       \
+                               int64_t k) {                                                              \
+        for (; i < hi; i++) {                                                                            \
+            pos[k] = PVAL(i, lo);                                                                        \
+            vals[k] = a[i];                                                                              \
+            k += a[i] != b[i];                                                                           \
+            if (advance) b[i] = a[i];                                                                    \
+        }                                                                                                \
+        return k;                                                                                        \
     }
-    return k;
-}
+TAIL2(tail2, int64_t, POS64)
+TAIL2(tail2_off, uint16_t, OFF16)
 #define WS_X86_SIMD 1
 /* scan2 with AVX-512 (BW for the compare, VBMI2 for the 16-bit compress): 32 elements per step, their
  * changed values and positions compressed in registers and stored whole (the buffers have 64 entries of
@@ -105,7 +118,7 @@ scan2_avx512(const uint16_t *restrict a, uint16_t *restrict b, int64_t n, int64_
             }
             if (advance) _mm512_storeu_si512((void *)(b + i), x);
         }
-        k = tail2(a, b, i, hi, advance, pos, vals, k);
+        k = tail2(a, b, lo, i, hi, advance, pos, vals, k);
         counts[c] = k - k0;
     }
     *next = c;
@@ -118,53 +131,55 @@ scan2_avx512(const uint16_t *restrict a, uint16_t *restrict b, int64_t n, int64_
  * not advance the count), a loop takes any further changes. At RL densities (~1.3 changes per 64 at 2%)
  * that is a few stores per change with no branch to mispredict, where emitting whole groups of
  * elements cost a dozen stores per change. */
-__attribute__((target("avx2,bmi,popcnt"))) static int64_t
-scan2_avx2(const uint16_t *restrict a, uint16_t *restrict b, int64_t n, int64_t chunk, int64_t c0, int advance,
-           int64_t *restrict pos, uint16_t *restrict vals, int64_t cap, int64_t *restrict counts,
-           int64_t *restrict next) {
-    int64_t k = 0, nchunks = (n + chunk - 1) / chunk, c;
-    for (c = c0; c < nchunks; c++) {
-        int64_t lo = c * chunk, hi = lo + chunk < n ? lo + chunk : n, k0 = k, i = lo;
-        if (k + (hi - lo) > cap) break;
-        for (; i + 64 <= hi; i += 64) {
-            __m256i x[4];
-            uint64_t m = 0;
-            for (int q = 0; q < 4; q++) {
-                x[q] = _mm256_loadu_si256((const __m256i *)(a + i + 16 * q));
-                __m256i eq = _mm256_cmpeq_epi16(x[q], _mm256_loadu_si256((const __m256i *)(b + i + 16 * q)));
-                __m128i bytes = _mm_packs_epi16(_mm256_castsi256_si128(eq), _mm256_extracti128_si256(eq, 1));
-                m |= (uint64_t)(~(unsigned)_mm_movemask_epi8(bytes) & 0xFFFFu) << (16 * q);
-            }
-            if (!m) continue;
-            /* The whole step is stored, its unchanged quarters included: a branch per quarter (changed
-             * or not, about even odds at RL densities) mispredicted so often that it cost more than the
-             * compare (scan of 0.6 G bf16 at 2%: 0.20-0.28 s with it, 0.13-0.16 s without, one core). */
-            if (advance)
-                for (int q = 0; q < 4; q++) _mm256_storeu_si256((__m256i *)(b + i + 16 * q), x[q]);
-            const uint16_t *xs = a + i;
-            for (int r = 0; r < 4; r++) {
-                uint64_t j = _tzcnt_u64(m); /* 64 when no bit is left: written, not counted */
-                pos[k] = i + (int64_t)j;
-                vals[k] = xs[j & 63];
-                k += m != 0;
-                m = _blsr_u64(m);
-            }
-            while (m) {
-                uint64_t j = _tzcnt_u64(m);
-                pos[k] = i + (int64_t)j;
-                vals[k++] = xs[j];
-                m = _blsr_u64(m);
-            }
-        }
-        k = tail2(a, b, i, hi, advance, pos, vals, k);
-        counts[c] = k - k0;
-    }
-    *next = c;
-    return k;
+#define SCAN2_AVX2(NAME, PT, PVAL, TAIL) \
+__attribute__((target("avx2,bmi,popcnt"))) static int64_t                                                            \
+NAME(const uint16_t *restrict a, uint16_t *restrict b, int64_t n, int64_t chunk, int64_t c0, int advance,            \
+     PT *restrict pos, uint16_t *restrict vals, int64_t cap, int64_t *restrict counts, int64_t *restrict next) {     \
+    int64_t k = 0, nchunks = (n + chunk - 1) / chunk, c;                                                             \
+    for (c = c0; c < nchunks; c++) {                                                                                 \
+        int64_t lo = c * chunk, hi = lo + chunk < n ? lo + chunk : n, k0 = k, i = lo;                                \
+        if (k + (hi - lo) > cap) break;                                                                              \
+        for (; i + 64 <= hi; i += 64) {                                                                              \
+            __m256i x[4];                                                                                            \
+            uint64_t m = 0;                                                                                          \
+            for (int q = 0; q < 4; q++) {                                                                            \
+                x[q] = _mm256_loadu_si256((const __m256i *)(a + i + 16 * q));                                        \
+                __m256i eq = _mm256_cmpeq_epi16(x[q], _mm256_loadu_si256((const __m256i *)(b + i + 16 * q)));        \
+                __m128i bytes = _mm_packs_epi16(_mm256_castsi256_si128(eq), _mm256_extracti128_si256(eq, 1));        \
+                m |= (uint64_t)(~(unsigned)_mm_movemask_epi8(bytes) & 0xFFFFu) << (16 * q);                          \
+            }                                                                                                        \
+            if (!m) continue;                                                                                        \
+            /* The whole step is stored, its unchanged quarters included: a branch per quarter (changed              \
+             * or not, about even odds at RL densities) mispredicted so often that it cost more than the             \
+             * compare (scan of 0.6 G bf16 at 2%: 0.20-0.28 s with it, 0.13-0.16 s without, one core). */            \
+            if (advance)                                                                                             \
+                for (int q = 0; q < 4; q++) _mm256_storeu_si256((__m256i *)(b + i + 16 * q), x[q]);                  \
+            const uint16_t *xs = a + i;                                                                              \
+            for (int r = 0; r < 4; r++) {                                                                            \
+                uint64_t j = _tzcnt_u64(m); /* 64 when no bit is left: written, not counted */                       \
+                pos[k] = PVAL(i + (int64_t)j, lo);                                                                   \
+                vals[k] = xs[j & 63];                                                                                \
+                k += m != 0;                                                                                         \
+                m = _blsr_u64(m);                                                                                    \
+            }                                                                                                        \
+            while (m) {                                                                                              \
+                uint64_t j = _tzcnt_u64(m);                                                                          \
+                pos[k] = PVAL(i + (int64_t)j, lo);                                                                   \
+                vals[k++] = xs[j];                                                                                   \
+                m = _blsr_u64(m);                                                                                    \
+            }                                                                                                        \
+        }                                                                                                            \
+        k = TAIL(a, b, lo, i, hi, advance, pos, vals, k);                                                            \
+        counts[c] = k - k0;                                                                                          \
+    }                                                                                                                \
+    *next = c;                                                                                                       \
+    return k;                                                                                                        \
 }
+SCAN2_AVX2(scan2_avx2, int64_t, POS64, tail2)
+SCAN2_AVX2(scan2_avx2_off, uint16_t, OFF16, tail2_off)
 #endif
 
-static int use_avx512 = 0, use_avx2 = 0;
+static int use_avx512 = 0, use_avx2 = 0, has_avx2 = 0;
 static uint8_t bit_table[256][8], bit_count[256];
 
 /* The changed elements of `a` against `b` (n elements of `item` bytes) from chunk `c0` on: their
@@ -184,6 +199,26 @@ int64_t ws_delta_scan(const void *a, void *b, int64_t n, int item, int64_t chunk
         return scan2(a, b, n, chunk, c0, advance, pos, vals, cap, counts, next);
     case 4: return scan4(a, b, n, chunk, c0, advance, pos, vals, cap, counts, next);
     case 8: return scan8(a, b, n, chunk, c0, advance, pos, vals, cap, counts, next);
+    }
+    return -1;
+}
+
+/* ws_delta_scan with each change's offset in its chunk written as a 16-bit index offset less 32768 (see
+ * OFF16) instead of its flat position: chunks of at most 64 Ki elements. 16-bit tensors take the AVX2
+ * scan where the CPU has it (AVX-512 hosts too: its 64-bit position compress has no 16-bit twin here).
+ * Returns -1 for an item size other than 1, 2, 4 or 8, -2 for a larger chunk. */
+int64_t ws_delta_scan_offsets(const void *a, void *b, int64_t n, int item, int64_t chunk, int64_t c0, int advance,
+                              uint16_t *off, void *vals, int64_t cap, int64_t *counts, int64_t *next) {
+    if (chunk > 65536) return -2;
+    switch (item) {
+    case 1: return scan1_off(a, b, n, chunk, c0, advance, off, vals, cap, counts, next);
+    case 2:
+#ifdef WS_X86_SIMD
+        if (has_avx2) return scan2_avx2_off(a, b, n, chunk, c0, advance, off, vals, cap, counts, next);
+#endif
+        return scan2_off(a, b, n, chunk, c0, advance, off, vals, cap, counts, next);
+    case 4: return scan4_off(a, b, n, chunk, c0, advance, off, vals, cap, counts, next);
+    case 8: return scan8_off(a, b, n, chunk, c0, advance, off, vals, cap, counts, next);
     }
     return -1;
 }
@@ -273,7 +308,8 @@ void ws_init(int allow_simd) {
 #ifdef WS_X86_SIMD
     __builtin_cpu_init();
     use_avx512 = allow_simd && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vbmi2");
-    use_avx2 = allow_simd && !use_avx512 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("bmi");
+    has_avx2 = allow_simd && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("bmi");
+    use_avx2 = has_avx2 && !use_avx512;
 #else
     (void)allow_simd;
 #endif

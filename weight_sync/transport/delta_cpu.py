@@ -65,8 +65,12 @@ def encode_cpu(vals: np.ndarray, old: np.ndarray, ce: int, item: int, *, advance
     num_chunks = -(-numel // ce)
     mask: np.ndarray | None = None
     changed: np.ndarray | None = None  # the new values at ``pos``, where the scan gathered them
+    # With 16-bit offsets (chunks of at most 64 Ki, the default) the scan writes each change's offset as
+    # the encoding stores it, not its flat position: ``pos`` then holds those offsets, in chunk order.
+    off16 = native.enabled() and ce <= 1 << 16
     if native.enabled():
-        pos, changed, counts = native.delta_scan(vals, old, ce, advance=advance, scratch=not positions)
+        pos, changed, counts = native.delta_scan(vals, old, ce, advance=advance, scratch=not positions,
+                                                 offsets=off16)
     else:
         advance = False
         # numpy's compare and flatnonzero run ~2x faster than torch's CPU kernels on one thread (measured
@@ -80,21 +84,23 @@ def encode_cpu(vals: np.ndarray, old: np.ndarray, ce: int, item: int, *, advance
         # 'same' chunks, without the form decisions' dozen small-array operations.
         out = np.zeros(16 + _align8(8 * num_chunks), dtype=np.uint8)
         out[:16].view(np.int32)[:] = (MAGIC, ce, num_chunks, item)
-        return out, pos if positions else None, 0, advance
+        return out, np.empty(0, dtype=np.int64) if positions else None, 0, advance
     form = _forms(counts, ce, numel, item)
     is_bm, is_ix, is_pl = form == FORM_BITMASK, form == FORM_INDEX, form == FORM_PLAIN
     n_bm, n_ix, n_pl = int(is_bm.sum()), int(is_ix.sum()), int(is_pl.sum())
     all_plain = n_pl == num_chunks
-    elem_form = None if all_plain or num_chunks in (n_bm, n_ix) else np.repeat(form, counts)
+    # Per change its chunk's form, unless every changed chunk has one form ('same' chunks hold none).
+    uniform = all_plain or (not n_pl and not (n_bm and n_ix))
+    elem_form = None if uniform else np.repeat(form, counts)
 
     def pick(kind: int) -> tuple[np.ndarray, np.ndarray]:
-        """The changed positions of the chunks of form ``kind`` and their new values."""
+        """The changed positions (or offsets) of the chunks of form ``kind`` and their new values."""
         if elem_form is None:
             return pos, (vals[pos] if changed is None else changed)
         sel = elem_form == kind
         return pos[sel], (vals[pos[sel]] if changed is None else changed[sel])
 
-    none = np.empty(0, dtype=np.int64)
+    none = np.empty(0, dtype=pos.dtype)
     sel_b, v_b = pick(FORM_BITMASK) if n_bm and not all_plain else (none, none)
     sel_i, v_i = pick(FORM_INDEX) if n_ix and not all_plain else (none, none)
     n_plain = numel if all_plain else n_pl * ce - (num_chunks * ce - numel if n_pl and is_pl[-1] else 0)
@@ -118,6 +124,11 @@ def encode_cpu(vals: np.ndarray, old: np.ndarray, ce: int, item: int, *, advance
             # The bitmask chunks' bits, chunk by chunk, bit k of byte j for element 8j + k: the
             # compare's mask packed (a short last chunk padded with unchanged elements).
             bits = _chunk_rows(mask, np.flatnonzero(is_bm), ce, False)
+        elif off16:
+            # The same bits set from the offsets, each in its chunk's rank among the bitmask chunks.
+            rank = np.repeat(np.arange(n_bm, dtype=np.int64), counts[is_bm])
+            bits = np.zeros(n_bm * ce, dtype=bool)
+            bits[rank * ce + (sel_b ^ np.uint16(OFFSET16_BIAS))] = True
         else:
             # No mask was made (the scan emits positions): the same bits set from the positions.
             rank = np.cumsum(is_bm) - 1
@@ -126,7 +137,9 @@ def encode_cpu(vals: np.ndarray, old: np.ndarray, ce: int, item: int, *, advance
         region[1][:] = np.packbits(bits, bitorder="little")
     if sel_i.size:
         pow2 = ce & (ce - 1) == 0
-        if off_bytes == 2:
+        if off16:
+            region[2].view(np.uint16)[:] = sel_i  # stored by the scan as the encoding stores them
+        elif off_bytes == 2:
             # offset - OFFSET16_BIAS as int16 is the offset's 16 bits with the top one flipped: the
             # positions truncated to 16 bits in place, masked to the chunk, the bit flipped.
             off = region[2].view(np.uint16)
@@ -143,6 +156,8 @@ def encode_cpu(vals: np.ndarray, old: np.ndarray, ce: int, item: int, *, advance
     if n_plain:
         plain = region[4].view(vals.dtype)
         plain[:] = vals if all_plain else _chunk_rows(vals, np.flatnonzero(is_pl), ce, None)
+    if positions and off16:
+        pos = np.repeat(np.arange(num_chunks, dtype=np.int64) * ce, counts) + (pos ^ np.uint16(OFFSET16_BIAS))
     return out, pos if positions else None, int(pos.size), advance
 
 
