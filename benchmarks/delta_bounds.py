@@ -49,7 +49,8 @@ def compare_bound_s(device: str, a: dict[str, torch.Tensor], b: dict[str, torch.
             from weight_sync import native
 
             native.parallel_map(lambda i: np.not_equal(pairs[i][0].numpy(), pairs[i][1].numpy(), out=masks[i].numpy()),
-                                sorted(range(len(pairs)), key=lambda i: -pairs[i][0].numel()))
+                                sorted(range(len(pairs)), key=lambda i: -pairs[i][0].numel()),
+                                2 * sum(x.numel() * x.element_size() for x, _ in pairs))
         else:
             for (x, y), m in zip(pairs, masks):
                 torch.ne(x, y, out=m)

@@ -59,7 +59,8 @@ def test_threads_reads_the_environment_and_refuses_what_is_not_a_positive_count(
 def test_parallel_map_keeps_the_order_and_runs_every_call_before_raising_the_first_error(
         monkeypatch: pytest.MonkeyPatch, count: str) -> None:
     monkeypatch.setenv(native.THREADS_ENV, count)
-    assert native.parallel_map(lambda x: x * x, list(range(50))) == [x * x for x in range(50)]
+    big = native.PARALLEL_MIN_BYTES
+    assert native.parallel_map(lambda x: x * x, list(range(50)), big) == [x * x for x in range(50)]
     ran: list[int] = []
     lock = threading.Lock()
 
@@ -71,5 +72,13 @@ def test_parallel_map_keeps_the_order_and_runs_every_call_before_raising_the_fir
         return x
 
     with pytest.raises(ValueError, match="job 3"):
-        native.parallel_map(job, list(range(10)))
+        native.parallel_map(job, list(range(10)), big)
     assert sorted(ran) == list(range(10)), "every call runs, so a caller can record what each one wrote"
+
+
+def test_parallel_map_runs_small_work_on_the_calling_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(native.THREADS_ENV, "4")
+    me = threading.get_ident()
+    assert set(native.parallel_map(lambda _: threading.get_ident(), list(range(8)), 1 << 20)) == {me}
+    many = set(native.parallel_map(lambda _: threading.get_ident(), list(range(8)), native.PARALLEL_MIN_BYTES))
+    assert me not in many

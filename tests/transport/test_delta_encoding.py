@@ -196,10 +196,12 @@ def test_host_tensors_encoded_on_threads_into_an_arena_give_each_tensors_own_byt
     # A CPU sender encodes its tensors on several threads (largest first), the encodings written into
     # the memory it keeps across updates: the bytes must be what each tensor gets encoded alone, in the
     # caller's order, and every base must be the new tensor afterwards, update after update.
+    from weight_sync import native
     from weight_sync.native import HostArena
     from weight_sync.transport.delta import encode_delta_with_positions, encode_deltas
 
     monkeypatch.setenv("WEIGHT_SYNC_NATIVE_THREADS", threads)
+    monkeypatch.setattr(native, "PARALLEL_MIN_BYTES", 0)  # threads for these small tensors too
     arena = HostArena()
     specs = [(torch.bfloat16, "random", 70_000, 0.02), (torch.float32, "one", 10, 0.0),
              (torch.bfloat16, "empty", 0, 0.0), (torch.float16, "dense", 3000, 0.0),

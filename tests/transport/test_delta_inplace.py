@@ -239,6 +239,7 @@ def test_a_host_scatter_failing_among_threaded_ones_is_raised_and_rollback_undoe
     if not native.enabled():
         pytest.skip("the numpy twin scatters one tensor at a time, without the threads")
     monkeypatch.setenv("WEIGHT_SYNC_NATIVE_THREADS", threads)
+    monkeypatch.setattr(native, "PARALLEL_MIN_BYTES", 0)  # threads for this small model too
     pair = _pair(qwen3_a, None)
     old = pair["weights"]
     new = {n: _changed(t, "random", torch.Generator().manual_seed(11)) for n, t in old.items()}

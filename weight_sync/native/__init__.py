@@ -184,12 +184,21 @@ def threads() -> int:
     return n
 
 
-def parallel_map(fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
-    """``[fn(x) for x in items]`` on :func:`threads` threads, in order. Every call runs to its end before
-    this returns or raises (the first error in ``items``' order), so a caller that records what each
-    call wrote loses none of it: ``fn`` must record its own effects before it raises."""
+#: Below this many bytes read or written by all the calls of a :func:`parallel_map`, one thread runs
+#: them: each call's return takes the GIL back from a thread running Python, and on small work that
+#: wait costs more than the second core gives (bench_delta at 2% changed on the 2-core CI host: the
+#: 49 MB small preset's send() took 0.072 s with its tensors on two threads, 0.062 s on one; the
+#: 1.19 GB Qwen3-0.6B shape's encode 0.15-0.19 s on two, 0.19-0.24 s on one).
+PARALLEL_MIN_BYTES = 128 << 20
+
+
+def parallel_map(fn: Callable[[T], R], items: Sequence[T], work_bytes: int) -> list[R]:
+    """``[fn(x) for x in items]`` on :func:`threads` threads, in order, when the calls read or write at
+    least :data:`PARALLEL_MIN_BYTES` together (``work_bytes``), else on this thread. Every call runs to
+    its end before this returns or raises (the first error in ``items``' order), so a caller that
+    records what each call wrote loses none of it: ``fn`` must record its own effects before it raises."""
     global _pool
-    workers = min(threads(), len(items))
+    workers = min(threads(), len(items)) if work_bytes >= PARALLEL_MIN_BYTES else 1
     if workers < 2:
         out: list[R] = []
         failed: BaseException | None = None

@@ -317,7 +317,9 @@ class InPlaceUpdate:
 
         arena = self.applier.arena
         failed: BaseException | None = None
-        for (live, region, idx, _, _), done in zip(queue, native.parallel_map(run, queue)):
+        # A change touches a 64-byte line of its destination at most (the work's upper estimate).
+        lines = sum(64 * job[2].numel() for job in queue)
+        for (live, region, idx, _, _), done in zip(queue, native.parallel_map(run, queue, lines)):
             if isinstance(done, BaseException):
                 failed = failed or done
                 continue

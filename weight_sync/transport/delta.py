@@ -251,8 +251,9 @@ def encode_deltas(
     # Host pairs on several threads (the scans run without the GIL), the largest first so that the
     # last to finish is a small one; each writes only its own base and encoding.
     host.sort(key=lambda i: -pairs[i][0].numel())
+    read = 2 * sum(pairs[i][0].numel() * pairs[i][0].element_size() for i in host)  # both versions
     for i, done in zip(host, native.parallel_map(
-            lambda i: _encode_counted(pairs[i][0], pairs[i][1], chunk_elems, advance, arena), host)):
+            lambda i: _encode_counted(pairs[i][0], pairs[i][1], chunk_elems, advance, arena), host, read)):
         out[i] = done
     for at in groups.values():
         for i, done in zip(at, encode_group([pairs[i] for i in at], chunk_elems, advance=advance)):
