@@ -20,6 +20,15 @@ static inline uint64_t diff_words(const unsigned char *a, const unsigned char *b
     return acc;
 }
 
+/* Elements [i, hi) of chunk `lo` one by one: each written, counted only if changed (no branch). */
+#define TAIL_LOOP(PVAL)                                                                                  \
+    for (; i < hi; i++) {                                                                                \
+        pos[k] = PVAL(i, lo);                                                                            \
+        vals[k] = a[i];                                                                                  \
+        k += a[i] != b[i];                                                                               \
+        if (advance) b[i] = a[i];                                                                        \
+    }
+
 /* Blocks of 64 elements are skipped whole when equal; inside a changed block, groups of 8 are; a changed
  * group's 8 elements are emitted branch-free (position and value written, the count advanced by the
  * compare). With `advance`, a changed group is also copied over the base (its unchanged elements hold the
@@ -48,12 +57,7 @@ static inline uint64_t diff_words(const unsigned char *a, const unsigned char *b
                     if (advance) memcpy(y, x, S * sizeof(T));                                            \
                 }                                                                                        \
             }                                                                                            \
-            for (; i < hi; i++) {                                                                        \
-                pos[k] = PVAL(i, lo);                                                                    \
-                vals[k] = a[i];                                                                          \
-                k += a[i] != b[i];                                                                       \
-                if (advance) b[i] = a[i];                                                                \
-            }                                                                                            \
+            TAIL_LOOP(PVAL)                                                                              \
             counts[c] = k - k0;                                                                          \
         }                                                                                                \
         *next = c;                                                                                       \
@@ -81,12 +85,7 @@ SCAN(uint64_t, scan8_off, uint16_t, OFF16)
     static inline int64_t NAME(const uint16_t *restrict a, uint16_t *restrict b, int64_t lo, int64_t i, \
                                int64_t hi, int advance, PT *restrict pos, uint16_t *restrict vals,       \
                                int64_t k) {                                                              \
-        for (; i < hi; i++) {                                                                            \
-            pos[k] = PVAL(i, lo);                                                                        \
-            vals[k] = a[i];                                                                              \
-            k += a[i] != b[i];                                                                           \
-            if (advance) b[i] = a[i];                                                                    \
-        }                                                                                                \
+        TAIL_LOOP(PVAL)                                                                                  \
         return k;                                                                                        \
     }
 TAIL2(tail2, int64_t, POS64)
@@ -182,6 +181,27 @@ SCAN2_AVX2(scan2_avx2_off, uint16_t, OFF16, tail2_off)
 static int use_avx512 = 0, use_avx2 = 0, has_avx2 = 0;
 static uint8_t bit_table[256][8], bit_count[256];
 
+/* The scan of `item`-byte elements whose name ends in SUFFIX (positions or offsets into POS); VEC2, if
+ * it returns, leaves 16-bit elements to the portable scan. */
+#define SCAN_BY_ITEM(SUFFIX, POS, VEC2)                                                                 \
+    switch (item) {                                                                                      \
+    case 1: return scan1##SUFFIX(a, b, n, chunk, c0, advance, POS, vals, cap, counts, next);             \
+    case 2: VEC2 return scan2##SUFFIX(a, b, n, chunk, c0, advance, POS, vals, cap, counts, next);        \
+    case 4: return scan4##SUFFIX(a, b, n, chunk, c0, advance, POS, vals, cap, counts, next);             \
+    case 8: return scan8##SUFFIX(a, b, n, chunk, c0, advance, POS, vals, cap, counts, next);             \
+    }                                                                                                    \
+    return -1;
+
+#ifdef WS_X86_SIMD
+#define VEC_POS                                                                                          \
+    if (use_avx512) return scan2_avx512(a, b, n, chunk, c0, advance, pos, vals, cap, counts, next);      \
+    if (use_avx2) return scan2_avx2(a, b, n, chunk, c0, advance, pos, vals, cap, counts, next);
+#define VEC_OFF if (has_avx2) return scan2_avx2_off(a, b, n, chunk, c0, advance, off, vals, cap, counts, next);
+#else
+#define VEC_POS
+#define VEC_OFF
+#endif
+
 /* The changed elements of `a` against `b` (n elements of `item` bytes) from chunk `c0` on: their
  * positions (ascending) and values, and the changed count of each chunk, until the chunks are done or
  * `cap` could not hold one more whole chunk; `*next` is the first chunk not scanned. `pos` and `vals`
@@ -189,18 +209,7 @@ static uint8_t bit_table[256][8], bit_count[256];
  * written, -1 for an item size other than 1, 2, 4 or 8. */
 int64_t ws_delta_scan(const void *a, void *b, int64_t n, int item, int64_t chunk, int64_t c0, int advance,
                       int64_t *pos, void *vals, int64_t cap, int64_t *counts, int64_t *next) {
-    switch (item) {
-    case 1: return scan1(a, b, n, chunk, c0, advance, pos, vals, cap, counts, next);
-    case 2:
-#ifdef WS_X86_SIMD
-        if (use_avx512) return scan2_avx512(a, b, n, chunk, c0, advance, pos, vals, cap, counts, next);
-        if (use_avx2) return scan2_avx2(a, b, n, chunk, c0, advance, pos, vals, cap, counts, next);
-#endif
-        return scan2(a, b, n, chunk, c0, advance, pos, vals, cap, counts, next);
-    case 4: return scan4(a, b, n, chunk, c0, advance, pos, vals, cap, counts, next);
-    case 8: return scan8(a, b, n, chunk, c0, advance, pos, vals, cap, counts, next);
-    }
-    return -1;
+    SCAN_BY_ITEM(, pos, VEC_POS)
 }
 
 /* ws_delta_scan with each change's offset in its chunk written as a 16-bit index offset less 32768 (see
@@ -210,17 +219,7 @@ int64_t ws_delta_scan(const void *a, void *b, int64_t n, int item, int64_t chunk
 int64_t ws_delta_scan_offsets(const void *a, void *b, int64_t n, int item, int64_t chunk, int64_t c0, int advance,
                               uint16_t *off, void *vals, int64_t cap, int64_t *counts, int64_t *next) {
     if (chunk > 65536) return -2;
-    switch (item) {
-    case 1: return scan1_off(a, b, n, chunk, c0, advance, off, vals, cap, counts, next);
-    case 2:
-#ifdef WS_X86_SIMD
-        if (has_avx2) return scan2_avx2_off(a, b, n, chunk, c0, advance, off, vals, cap, counts, next);
-#endif
-        return scan2_off(a, b, n, chunk, c0, advance, off, vals, cap, counts, next);
-    case 4: return scan4_off(a, b, n, chunk, c0, advance, off, vals, cap, counts, next);
-    case 8: return scan8_off(a, b, n, chunk, c0, advance, off, vals, cap, counts, next);
-    }
-    return -1;
+    SCAN_BY_ITEM(_off, off, VEC_OFF)
 }
 
 /* Write `vals` at `pos` into `dst`, keeping the overwritten values in `old`, and return in sums[0..1] how
