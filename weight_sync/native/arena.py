@@ -2,8 +2,8 @@
 
 A delta update on CPU writes tens of megabytes of positions, old values and encodings. Fresh buffers of
 that size cost their page faults on every update, and on a virtual machine's host (this project's CI
-and benchmark machine) a first-touched page costs 2-20 us: measured there, decoding a 2% delta of a
-0.6B model took 0.28-0.57 s into fresh buffers against ~0.02 s of work. An arena keeps one buffer, grown
+and benchmark machine) a first-touched page costs 2-30 us: measured there, decoding a 2% delta of a
+0.6B model took 0.3-1 s into fresh buffers against 0.04 s into kept ones. An arena keeps one buffer, grown
 to the largest update it served, so every later update writes memory that is already mapped.
 """
 
