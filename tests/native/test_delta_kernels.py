@@ -193,3 +193,51 @@ def test_a_scatter_of_tensors_gives_what_the_scatter_of_arrays_gives_and_refuses
     with pytest.raises(LayoutMismatchError, match="flat and contiguous"):
         native.scatter_tensors(t_dst2.view(64, 64).t(), torch.tensor([3]), torch.tensor([7], dtype=torch.int16), 0)
     assert torch.equal(t_dst2, before)
+
+
+def _index_encoding(n: int, chunk: int, density: float, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(positions, chunks, counts, 16-bit offsets) of random changes of ``n`` elements, index-encoded."""
+    rng = np.random.default_rng(seed)
+    pos = np.flatnonzero(rng.random(n) < density)
+    per = np.bincount(pos // chunk, minlength=-(-n // chunk))
+    chunks = np.flatnonzero(per)
+    offsets = ((pos % chunk) - 32768).astype(np.int16)
+    return pos, chunks, per[chunks], offsets
+
+
+@pytest.mark.parametrize("item", [1, 2, 4, 8])
+@pytest.mark.parametrize("n, chunk, density", [(0, 64, 0.0), (5000, 1000, 0.02), (300_000, 1 << 16, 0.05),
+                                               (70_001, 1 << 16, 0.9), (3000, 64, 0.0)])
+def test_a_scatter_from_offsets_writes_and_moves_the_checksum_as_a_scatter_from_positions(
+    item: int, n: int, chunk: int, density: float
+) -> None:
+    rng = np.random.default_rng(n + item)
+    dst = rng.integers(0, 256, n * item, dtype=np.uint8).view(INTS[item])
+    pos, chunks, counts, offsets = _index_encoding(n, chunk, density, seed=n)
+    vals = rng.integers(0, 256, pos.size * item, dtype=np.uint8).view(INTS[item])
+    want = dst.copy()
+    _, want_sums = native.scatter(want, pos, vals, 24)
+    got = torch.from_numpy(dst.copy())
+    sums = native.scatter_offsets(got, chunks, counts, offsets, chunk, torch.from_numpy(vals), 24)
+    assert np.array_equal(got.numpy(), want)
+    assert sums.tolist() == want_sums.tolist()
+
+
+@pytest.mark.parametrize("damage, message", [("outside", "outside its chunk"), ("repeat", "repeat"),
+                                             ("beyond", "beyond the tensor")])
+def test_a_scatter_from_offsets_refuses_a_damaged_encoding_and_writes_nothing(damage: str, message: str) -> None:
+    pos, chunks, counts, offsets = _index_encoding(5000, 1000, 0.05, seed=1)
+    n = 5000
+    if damage == "outside":
+        offsets[3] = np.int16(1500 - 32768)  # a chunk of 1000 elements has no offset 1500
+    elif damage == "repeat":
+        offsets[4] = offsets[3]
+    else:
+        n = int(pos[-1])  # the last change lies one past the tensor's end
+    dst = torch.zeros(5000, dtype=torch.int16)
+    vals = torch.ones(pos.size, dtype=torch.int16)
+    with pytest.raises(LayoutMismatchError, match=message):
+        native.check_offsets(chunks, counts, offsets, 1000, n)
+    with pytest.raises(LayoutMismatchError, match=message):
+        native.scatter_offsets(dst[:n], chunks, counts, offsets, 1000, vals, 0)
+    assert not dst.any()

@@ -67,6 +67,22 @@ def _session(engine: ReferenceEngine, weights: dict[str, torch.Tensor], version:
                         version=version, rollback=rollback)
 
 
+def _delta_and_full(pair: dict[str, Any], new: dict[str, torch.Tensor]) -> Any:
+    """The next version ``new`` as a delta into the pair's delta engine and in full into the other; the
+    delta's report."""
+    old = pair["weights"]
+    pair["version"] += 1
+    v = pair["version"]
+    session = DeltaSession(_session(pair["delta"], new, v), pair["base"], "delta")
+    session.load([(n, encode_delta(new[n], old[n], chunk_elems=1024)) for n in old])
+    report = session.finish()
+    full = _session(pair["full"], new, v)
+    full.load(list(new.items()))
+    full.finish()
+    pair["weights"] = new
+    return report
+
+
 def _tensors(engine: ReferenceEngine) -> dict[str, torch.Tensor]:
     return {n: t.detach().clone() for n, t in iter_graph_visible_tensors(engine.model) if t.device.type != "meta"}
 
@@ -90,16 +106,7 @@ def test_a_delta_applied_in_place_equals_a_full_reload_bit_for_bit(
     names = list(old)
     pick = {names[seed % len(names)]} if which == "one tensor" else set(names)
     new = {n: _changed(t, pattern, g) if n in pick else t for n, t in old.items()}
-    pair["version"] += 1
-    v = pair["version"]
-
-    session = DeltaSession(_session(pair["delta"], new, v), pair["base"], "delta")
-    session.load([(n, encode_delta(new[n], old[n], chunk_elems=1024)) for n in names])
-    report = session.finish()
-    full = _session(pair["full"], new, v)
-    full.load(list(new.items()))
-    full.finish()
-    pair["weights"] = new
+    report = _delta_and_full(pair, new)
 
     assert pair["base"].last_stats["in_place"] == len(names)  # no key rebuilt and loaded whole
     assert _bits_equal(_tensors(pair["delta"]), _tensors(pair["full"]))
@@ -261,4 +268,51 @@ def test_a_host_scatter_failing_among_threaded_ones_is_raised_and_rollback_undoe
     assert len(calls) > 3  # the others ran (and wrote) before the failure was raised
     session.abort("a scatter failed")
     assert _bits_equal(_tensors(pair["delta"]), before)
+    _PAIRS.pop(None)
+
+
+def test_index_only_payloads_without_rollback_are_written_from_their_offsets_and_equal_a_full_reload(
+    qwen3_a: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Without rollback nothing keeps positions or old values: a host payload of index chunks into one
+    # whole live tensor is written straight from its 16-bit offsets (no positions made).
+    from weight_sync import native
+
+    if not native.enabled():
+        pytest.skip("the numpy twin decodes every payload")
+    pair = _pair(qwen3_a, None)
+    old = pair["weights"]
+    new = {n: _changed(t, "random", torch.Generator().manual_seed(13)) for n, t in old.items()}
+    real, fused = native.scatter_offsets, []
+    monkeypatch.setattr(native, "scatter_offsets", lambda *a: fused.append(1) or real(*a))
+    report = _delta_and_full(pair, new)
+    assert len(fused) >= len(old) // 2  # the direct layers' keys (others are norms in fp32, converted)
+    assert _bits_equal(_tensors(pair["delta"]), _tensors(pair["full"]))
+    assert report.fingerprint == pair["full"].fingerprint()
+
+
+def test_a_damaged_index_only_payload_is_refused_before_any_payload_of_its_bucket_is_written(qwen3_a: Path) -> None:
+    from weight_sync.errors import LayoutMismatchError
+    from weight_sync.transport.delta import _parse
+
+    pair = _pair(qwen3_a, None)
+    old = pair["weights"]
+    new = {n: _changed(t, "random", torch.Generator().manual_seed(17)) for n, t in old.items()}
+    names = list(old)
+    payloads = [(n, encode_delta(new[n], old[n], chunk_elems=1024)) for n in names]
+    # The last matrix's payload damaged (every payload before it would be written if checks and writes
+    # went payload by payload): its first two index offsets made equal, its sizes all still agreeing.
+    at = max(i for i, n in enumerate(names) if new[n].dim() == 2)
+    bad = payloads[at][1].clone()
+    offsets = _parse(bad, new[names[at]].numel(), new[names[at]].dtype).regions[1].view(torch.int16)
+    offsets[1] = offsets[0]
+    payloads[at] = (names[at], bad)
+    before = _tensors(pair["delta"])
+    pair["version"] += 1
+    session = DeltaSession(_session(pair["delta"], new, pair["version"]), pair["base"], "delta")
+    with pytest.raises(LayoutMismatchError, match="repeat or are out of order"):
+        session.load(payloads)
+        session.finish()
+    assert _bits_equal(_tensors(pair["delta"]), before), "nothing is written before every payload is checked"
+    session.abort("a damaged payload")
     _PAIRS.pop(None)

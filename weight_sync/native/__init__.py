@@ -41,8 +41,8 @@ from weight_sync.native.arena import HostArena
 T = TypeVar("T")
 R = TypeVar("R")
 
-__all__ = ["HostArena", "bitmask_positions", "delta_scan", "enabled", "index_positions", "library", "parallel_map", "scan_kind",
-           "scatter", "scatter_tensors", "simd", "threads"]
+__all__ = ["HostArena", "bitmask_positions", "check_offsets", "delta_scan", "enabled", "index_positions", "library", "parallel_map", "scan_kind",
+           "scatter", "scatter_offsets", "scatter_tensors", "simd", "threads"]
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,8 @@ _SIGNATURES = {
     "ws_delta_scan_offsets": (_I64, [_P, _P, _I64, _INT, _I64, _I64, _INT, _P, _P, _I64, _P, _P]),
     "ws_scatter": (_INT, [_P, _I64, _P, _P, _I64, _INT, _I64, _P, _P]),
     "ws_index_positions": (_INT, [_P, _P, _I64, _P, _INT, _I64, _P]),
+    "ws_check_offsets": (_INT, [_P, _P, _I64, _P, _I64, _I64]),
+    "ws_scatter_offsets": (_INT, [_P, _I64, _P, _P, _I64, _P, _I64, _P, _INT, _I64, _P]),
     "ws_bitmask_positions": (_I64, [_P, _I64, _P, _I64, _P, _I64]),
     "ws_init": (None, [_INT]),
     "ws_simd": (_INT, []),
@@ -328,6 +330,54 @@ def scatter_tensors(dst: torch.Tensor, pos: torch.Tensor, vals: torch.Tensor, by
 
 def _output(arena: HostArena | None, n: int) -> np.ndarray:
     return np.empty(n, dtype=np.int64) if arena is None else arena.take(n, np.int64)
+
+
+_OFFSET_ERRORS = {
+    -1: "delta payload: an index offset is outside its chunk of {chunk} elements",
+    -2: "delta payload: index offsets repeat or are out of order",
+    -3: "delta payload: a changed position lies beyond the tensor's {n} elements",
+}
+
+
+def _offsets_checked(rc: int, chunk: int, n: int) -> None:
+    if rc in _OFFSET_ERRORS:
+        raise LayoutMismatchError(_OFFSET_ERRORS[rc].format(chunk=chunk, n=n))
+    if rc:
+        raise LayoutMismatchError(f"delta scatter: unsupported item size (code {rc})")
+
+
+def check_offsets(chunks: np.ndarray, counts: np.ndarray, offsets: np.ndarray, chunk: int, n: int) -> None:
+    """Refuse an index-only encoding's 16-bit ``offsets`` (the raw region; ``chunks`` ascending, ``counts``
+    offsets each) whose offsets leave their chunk, repeat or go back, or whose last position lies beyond
+    a tensor of ``n`` elements: :func:`index_positions`' checks, without writing the positions."""
+    lib = _need(library())
+    chunks = np.ascontiguousarray(chunks, dtype=np.int64)
+    counts = np.ascontiguousarray(counts, dtype=np.int64)
+    _offsets_checked(lib.ws_check_offsets(_ptr(chunks), _ptr(counts), chunks.size,
+                                          _ptr(np.ascontiguousarray(offsets)), chunk, n), chunk, n)
+
+
+def scatter_offsets(dst: torch.Tensor, chunks: np.ndarray, counts: np.ndarray, offsets: np.ndarray, chunk: int,
+                    vals: torch.Tensor, byte_base: int) -> torch.Tensor:
+    """Write an index-only encoding (16-bit ``offsets``, as :func:`check_offsets` takes them, and its
+    ``vals``) into ``dst`` (a flat contiguous CPU tensor of ``vals``' integer dtype) without making its
+    positions, checked first (nothing written when refused); returns the int64 ``[plain, weighted]``
+    checksum move, as :func:`scatter_tensors` does. The overwritten values are not kept."""
+    lib = _need(library())
+    if vals.dtype != dst.dtype or not (dst.is_cpu and vals.is_cpu and dst.is_contiguous()) or dst.dim() != 1:
+        raise LayoutMismatchError(f"delta scatter: {vals.dtype} values for a {dst.dtype} destination of shape "
+                                  f"{tuple(dst.shape)} on {dst.device} (a flat contiguous CPU tensor of that dtype)")
+    chunks = np.ascontiguousarray(chunks, dtype=np.int64)
+    counts = np.ascontiguousarray(counts, dtype=np.int64)
+    if int(counts.sum()) != vals.numel():
+        raise LayoutMismatchError(f"delta payload: {int(counts.sum())} changed positions but {vals.numel()} values")
+    vals = vals.contiguous()
+    sums = torch.zeros(2, dtype=torch.int64)
+    n = dst.numel()
+    _offsets_checked(lib.ws_scatter_offsets(dst.data_ptr(), n, _ptr(chunks), _ptr(counts), chunks.size,
+                                            _ptr(np.ascontiguousarray(offsets)), chunk, vals.data_ptr(),
+                                            dst.element_size(), byte_base, sums.data_ptr()), chunk, n)
+    return sums
 
 
 def index_positions(chunks: np.ndarray, counts: np.ndarray, offsets: np.ndarray, off_bytes: int,

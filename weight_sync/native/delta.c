@@ -276,6 +276,69 @@ int ws_scatter(void *dst, int64_t n, const int64_t *pos, const void *vals, int64
     return -1;
 }
 
+/* The checks of ws_index_positions for 16-bit offsets, and that the last position lies inside the `n`
+ * elements of the tensor, without writing the positions: 0, -1 (an offset outside its chunk), -2
+ * (positions do not strictly increase), -3 (a position beyond the tensor). */
+static int check_index16(const int64_t *chunks, const int64_t *counts, int64_t nchunks, const int16_t *o16,
+                         int64_t chunk, int64_t n) {
+    int64_t j = 0, last = -1, bad = 0, unordered = 0;
+    for (int64_t c = 0; c < nchunks; c++) {
+        int64_t at = chunks[c] * chunk, k = counts[c];
+        if (k <= 0) continue;
+        const int16_t *o = o16 + j;
+        for (int64_t e = 0; e < k; e++) bad |= (int64_t)o[e] + 32768 >= chunk;
+        for (int64_t e = 1; e < k; e++) unordered |= o[e] <= o[e - 1];
+        unordered |= at + (int64_t)o[0] + 32768 <= last;
+        last = at + (int64_t)o[k - 1] + 32768;
+        j += k;
+    }
+    return bad ? -1 : unordered ? -2 : last >= n ? -3 : 0;
+}
+
+int ws_check_offsets(const int64_t *chunks, const int64_t *counts, int64_t nchunks, const int16_t *offsets,
+                     int64_t chunk, int64_t n) {
+    return check_index16(chunks, counts, nchunks, offsets, chunk, n);
+}
+
+/* An index-only encoding (16-bit offsets) written into `dst` straight from its offsets, checked first as
+ * ws_check_offsets checks them (nothing written on an error, its code returned): the positions are made
+ * a block at a time on the stack and scattered as ws_scatter does, with its checksum move in sums[0..1];
+ * the overwritten values go nowhere (no rollback keeps them). Saves the decode's pass writing every
+ * position to memory and the scatter's reading it back. -4: an item size other than 1, 2, 4 or 8. */
+int ws_scatter_offsets(void *dst, int64_t n, const int64_t *chunks, const int64_t *counts, int64_t nchunks,
+                       const int16_t *offsets, int64_t chunk, const void *vals, int item, int64_t byte_base,
+                       int64_t *sums) {
+    enum { B = 1024 };
+    int64_t pos[B], part[2] = {0, 0};
+    uint64_t old[B], plain = 0, weighted = 0;
+    if (item != 1 && item != 2 && item != 4 && item != 8) return -4;
+    int rc = check_index16(chunks, counts, nchunks, offsets, chunk, n);
+    if (rc) return rc;
+    const char *v = vals;
+    int64_t j = 0;
+    for (int64_t c = 0; c < nchunks; c++) {
+        int64_t at = chunks[c] * chunk, k = counts[c];
+        for (int64_t e0 = 0; e0 < k; e0 += B) {
+            int64_t m = k - e0 < B ? k - e0 : B;
+            const int16_t *o = offsets + j + e0;
+            for (int64_t e = 0; e < m; e++) pos[e] = at + (int64_t)o[e] + 32768;
+            const void *vv = v + (j + e0) * item;
+            switch (item) {
+            case 1: scatter1(dst, pos, vv, m, byte_base, (uint8_t *)old, part); break;
+            case 2: scatter2(dst, pos, vv, m, byte_base, (uint16_t *)old, part); break;
+            case 4: scatter4(dst, pos, vv, m, byte_base, (uint32_t *)old, part); break;
+            case 8: scatter8(dst, pos, vv, m, byte_base, (uint64_t *)old, part); break;
+            }
+            plain += (uint64_t)part[0];
+            weighted += (uint64_t)part[1];
+        }
+        j += k > 0 ? k : 0;
+    }
+    sums[0] = (int64_t)plain;
+    sums[1] = (int64_t)weighted;
+    return 0;
+}
+
 /* Positions of an encoding's index chunks: chunks[c] * chunk + offset for each of counts[c] offsets
  * (int16 stored as offset - 32768 when off_bytes is 2, else int32). Returns 0, -1 where an offset lies
  * outside its chunk, -2 where positions do not strictly increase (a repeat would write an element twice). */

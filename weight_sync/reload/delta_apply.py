@@ -42,8 +42,10 @@ pace of the apply.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -55,7 +57,7 @@ from weight_sync.quant.delta import apply_quantized_delta_, delta_absmax
 from weight_sync.quant.fp8 import Fp8LinearMethod
 from weight_sync.quant.int8 import Int8LinearMethod
 from weight_sync.quant.online import split_over_group
-from weight_sync.reload.delta_base import _INT_OF_SIZE, DeltaApplier, _as_int, _QuantDst
+from weight_sync.reload.delta_base import _INT_OF_SIZE, DeltaApplier, _as_int, _LiveDst, _QuantDst
 from weight_sync.reload.delta_checksum import (
     MASK32,
     checksum_change_np,
@@ -80,6 +82,23 @@ __all__ = ["DEFAULT_BATCH_BYTES", "DELTA_BASE_ATTR", "DELTA_BATCH_ATTR", "DeltaA
 DELTA_BASE_ATTR = "ws_delta_base"
 #: Model attribute holding how many bytes of device-resident deltas an engine applies together.
 DELTA_BATCH_ATTR = "ws_delta_batch_bytes"
+@dataclass(slots=True, eq=False)
+class _Fused:
+    """A host payload written straight from its 16-bit offsets into one whole live target."""
+
+    name: str
+    payload_bytes: int
+    info: LayerInfo
+    dst: _LiveDst
+    chunks: np.ndarray  # its index chunks, ascending
+    counts: np.ndarray  # their changed counts
+    offsets: np.ndarray  # int16, as the encoding stores them
+    chunk: int
+    vals: torch.Tensor
+    numel: int
+    byte_base: int  # of the target's run in its live tensor
+
+
 #: The default of :func:`keep_delta_base`'s ``batch_bytes``: on the H200 a delta's apply cost ~3 ms of
 #: host time and two device syncs per batch whatever its size (an 8B model's 2% delta arrives in 11
 #: buckets of 64 MiB). The decode's transients are ~30 bytes per changed element of a batch.
@@ -268,12 +287,75 @@ class InPlaceUpdate:
         if not items:
             return
         t0 = time.perf_counter()
-        # Every payload decoded and checked whole before the first write (on a device: together).
+        fused, items = self._split_fused(items)
+        # Every payload checked (the fused ones) or decoded and checked whole before the first write (on a
+        # device: together).
+        for job in fused:
+            native.check_offsets(job.chunks, job.counts, job.offsets, job.chunk, job.numel)
         decoded = decode_deltas([(payload, numel, dtype) for _, payload, numel, dtype, _ in items], self.applier.arena)
+        self._write_fused(fused, marked)
         self.write_decoded(items, decoded, marked)
         self._write_queued()  # before flush(): the whole requantization reads the written copies
         self.flush()
         self.seconds["apply"] += time.perf_counter() - t0
+
+    def _split_fused(self, items: list[tuple[str, torch.Tensor, int, torch.dtype, tuple[Target, ...]]]
+                     ) -> tuple[list[_Fused], list[tuple[str, torch.Tensor, int, torch.dtype, tuple[Target, ...]]]]:
+        """The host payloads written straight from their offsets (:func:`native.scatter_offsets`, no
+        positions made), and the rest. Fused: index chunks only with 16-bit offsets, one whole live target
+        of the wire's dtype, no rollback (which keeps the positions and old values); the rest decode."""
+        if self.session.rollback or not native.enabled() or not items or items[0][1].device.type != "cpu":
+            return [], items
+        from weight_sync.transport.delta_batch import parse_many
+        from weight_sync.transport.delta_format import FORM_INDEX
+
+        fused: list[_Fused] = []
+        rest = []
+        for item, p in zip(items, parse_many([(payload, numel, dtype) for _, payload, numel, dtype, _ in items])):
+            name, payload, numel, dtype, targets = item
+            t = targets[0] if len(targets) == 1 else None
+            if (t is None or t.kind != "live" or not t.whole or p.n_bits or p.n_plain_chunks
+                    or p.chunk_elems > 1 << 16):
+                rest.append(item)
+                continue
+            info = self.state.layers[t.layer]
+            d = self.applier.live_dst(info, t)
+            if d.device.type != "cpu" or d.dtype != dtype:
+                rest.append(item)
+                continue
+            chunks = np.flatnonzero(p.form == FORM_INDEX)
+            fused.append(_Fused(name, payload.numel(), info, d, chunks, p.counts[chunks],
+                                p.regions[1].numpy().view(np.int16), p.chunk_elems, p.regions[2], numel,
+                                t.dst_offset * d.size))
+        return fused, rest
+
+    def _write_fused(self, fused: list[_Fused], marked: bool) -> None:
+        """The fused host payloads written (on several threads when large), their checksum moves kept; a
+        failure is raised after every other write is recorded (the session is torn: no rollback here)."""
+        if not fused:
+            return
+        for job in fused:
+            self.touched.add(job.info.name)  # before any write: a failure leaves the layer torn
+
+        def run(job: _Fused) -> torch.Tensor | BaseException:
+            try:
+                return native.scatter_offsets(job.dst.region, job.chunks, job.counts, job.offsets, job.chunk,
+                                              job.vals, job.byte_base)
+            except Exception as e:  # raised below, after the others are recorded
+                return e
+
+        failed: BaseException | None = None
+        lines = sum(64 * job.vals.numel() for job in fused)  # a change touches one 64-byte line at most
+        for job, moved in zip(fused, native.parallel_map(run, fused, lines)):
+            if isinstance(moved, BaseException):
+                failed = failed or moved
+                continue
+            self._sum_changes.setdefault(id(job.dst.live), []).append(moved)
+            if not marked:
+                self.session.mark_applied(job.name, job.payload_bytes)
+            self.num_in_place += 1
+        if failed is not None:
+            raise failed
 
     def write_decoded(self, items: list[tuple[str, torch.Tensor, int, torch.dtype, tuple[Target, ...]]],
                       decoded: list[tuple[torch.Tensor, torch.Tensor]], marked: bool) -> None:
