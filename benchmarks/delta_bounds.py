@@ -42,6 +42,9 @@ def compare_bound_s(device: str, a: dict[str, torch.Tensor], b: dict[str, torch.
     pairs = [(_as_int(b[n]), _as_int(t)) for n, t in a.items()]
     masks = [torch.empty(x.shape, dtype=torch.bool, device=x.device) for x, _ in pairs]
 
+    largest_first = sorted(range(len(pairs)), key=lambda i: -pairs[i][0].numel())
+    read = 2 * sum(x.numel() * x.element_size() for x, _ in pairs)  # both versions
+
     def compare() -> None:
         if device == "cpu":
             import numpy as np
@@ -49,8 +52,7 @@ def compare_bound_s(device: str, a: dict[str, torch.Tensor], b: dict[str, torch.
             from weight_sync import native
 
             native.parallel_map(lambda i: np.not_equal(pairs[i][0].numpy(), pairs[i][1].numpy(), out=masks[i].numpy()),
-                                sorted(range(len(pairs)), key=lambda i: -pairs[i][0].numel()),
-                                2 * sum(x.numel() * x.element_size() for x, _ in pairs))
+                                largest_first, read)
         else:
             for (x, y), m in zip(pairs, masks):
                 torch.ne(x, y, out=m)

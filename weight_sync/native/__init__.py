@@ -41,8 +41,9 @@ from weight_sync.native.arena import HostArena
 T = TypeVar("T")
 R = TypeVar("R")
 
-__all__ = ["HostArena", "bitmask_positions", "check_offsets", "delta_scan", "enabled", "index_positions", "library", "parallel_map", "scan_kind",
-           "scatter", "scatter_offsets", "scatter_tensors", "simd", "threads"]
+__all__ = ["HostArena", "bitmask_positions", "check_offsets", "delta_scan", "enabled", "index_positions", "library",
+           "parallel_map", "parallel_settle", "scan_kind", "scatter", "scatter_offsets", "scatter_tensors", "simd",
+           "threads"]
 
 log = logging.getLogger(__name__)
 
@@ -194,32 +195,42 @@ def threads() -> int:
 PARALLEL_MIN_BYTES = 128 << 20
 
 
-def parallel_map(fn: Callable[[T], R], items: Sequence[T], work_bytes: int) -> list[R]:
-    """``[fn(x) for x in items]`` on :func:`threads` threads, in order, when the calls read or write at
-    least :data:`PARALLEL_MIN_BYTES` together (``work_bytes``), else on this thread. Every call runs to
-    its end before this returns or raises (the first error in ``items``' order), so a caller that
-    records what each call wrote loses none of it: ``fn`` must record its own effects before it raises."""
+def parallel_settle(fn: Callable[[T], R], items: Sequence[T], work_bytes: int) -> list[R | Exception]:
+    """Each ``fn(x)`` of ``items``, or the exception it raised, in order: on :func:`threads` threads when
+    the calls read or write at least :data:`PARALLEL_MIN_BYTES` together (``work_bytes``), else on this
+    thread. Every call runs to its end, so a caller records what each successful call wrote before it
+    raises the first failure."""
     global _pool
+
+    def settled(x: T) -> R | Exception:
+        try:
+            return fn(x)
+        except Exception as e:  # the caller's to raise, once it has recorded the others
+            return e
+
     workers = min(threads(), len(items)) if work_bytes >= PARALLEL_MIN_BYTES else 1
     if workers < 2:
-        out: list[R] = []
-        failed: BaseException | None = None
-        for x in items:
-            try:
-                out.append(fn(x))
-            except Exception as e:  # raised once every call has run, as on threads
-                failed = failed or e
-        if failed is not None:
-            raise failed
-        return out
+        return [settled(x) for x in items]
     pid = os.getpid()
     if _pool is None or _pool[0] != pid or _pool[1] < workers:
+        if _pool is not None and _pool[0] == pid:
+            _pool[2].shutdown(wait=False)  # outgrown (the thread count was raised): its threads end
         # A forked child has the parent's pool object but none of its threads: it makes its own.
-        _pool = (pid, max(workers, threads()), ThreadPoolExecutor(max(workers, threads()),
-                                                                  thread_name_prefix="weight_sync-native"))
-    futures = [_pool[2].submit(fn, x) for x in items]
+        size = max(workers, threads())
+        _pool = (pid, size, ThreadPoolExecutor(size, thread_name_prefix="weight_sync-native"))
+    futures = [_pool[2].submit(settled, x) for x in items]
     wait(futures)
     return [f.result() for f in futures]
+
+
+def parallel_map(fn: Callable[[T], R], items: Sequence[T], work_bytes: int) -> list[R]:
+    """``[fn(x) for x in items]`` as :func:`parallel_settle` runs them; the first error in ``items``'
+    order is raised once every call has ended."""
+    out = parallel_settle(fn, items, work_bytes)
+    for r in out:
+        if isinstance(r, Exception):
+            raise r
+    return out  # type: ignore[return-value]  # no exception among them
 
 
 def _scratch(name: str, n: int, dtype: np.dtype) -> np.ndarray:
@@ -339,11 +350,12 @@ _OFFSET_ERRORS = {
 }
 
 
-def _offsets_checked(rc: int, chunk: int, n: int) -> None:
+def _offsets_checked(rc: int, chunk: int, n: int, item: int = 0) -> None:
+    """Raise for the index decode's and the offsets scatter's error codes (nothing was written then)."""
     if rc in _OFFSET_ERRORS:
         raise LayoutMismatchError(_OFFSET_ERRORS[rc].format(chunk=chunk, n=n))
     if rc:
-        raise LayoutMismatchError(f"delta scatter: unsupported item size (code {rc})")
+        raise LayoutMismatchError(f"delta scatter: item size {item} is not 1, 2, 4 or 8 bytes")
 
 
 def check_offsets(chunks: np.ndarray, counts: np.ndarray, offsets: np.ndarray, chunk: int, n: int) -> None:
@@ -376,7 +388,8 @@ def scatter_offsets(dst: torch.Tensor, chunks: np.ndarray, counts: np.ndarray, o
     n = dst.numel()
     _offsets_checked(lib.ws_scatter_offsets(dst.data_ptr(), n, _ptr(chunks), _ptr(counts), chunks.size,
                                             _ptr(np.ascontiguousarray(offsets)), chunk, vals.data_ptr(),
-                                            dst.element_size(), byte_base, sums.data_ptr()), chunk, n)
+                                            dst.element_size(), byte_base, sums.data_ptr()), chunk, n,
+                     dst.element_size())
     return sums
 
 
@@ -389,12 +402,10 @@ def index_positions(chunks: np.ndarray, counts: np.ndarray, offsets: np.ndarray,
     chunks = np.ascontiguousarray(chunks, dtype=np.int64)
     counts = np.ascontiguousarray(counts, dtype=np.int64)
     out = _output(arena, offsets.size // off_bytes)
-    rc = lib.ws_index_positions(_ptr(chunks), _ptr(counts), chunks.size, _ptr(np.ascontiguousarray(offsets)),
-                                off_bytes, chunk, _ptr(out))
-    if rc == -1:
-        raise LayoutMismatchError(f"delta payload: an index offset is outside its chunk of {chunk} elements")
-    if rc == -2:
-        raise LayoutMismatchError("delta payload: index offsets repeat or are out of order")
+    n = np.iinfo(np.int64).max  # the caller checks the positions against its tensor
+    _offsets_checked(lib.ws_index_positions(_ptr(chunks), _ptr(counts), chunks.size,
+                                            _ptr(np.ascontiguousarray(offsets)), off_bytes, chunk, _ptr(out)),
+                     chunk, n)
     return out
 
 

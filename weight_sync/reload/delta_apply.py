@@ -95,7 +95,6 @@ class _Fused:
     offsets: np.ndarray  # int16, as the encoding stores them
     chunk: int
     vals: torch.Tensor
-    numel: int
     byte_base: int  # of the target's run in its live tensor
 
 
@@ -287,12 +286,13 @@ class InPlaceUpdate:
         if not items:
             return
         t0 = time.perf_counter()
-        fused, items = self._split_fused(items)
+        fused, items, parsed = self._split_fused(items)
         # Every payload checked (the fused ones) or decoded and checked whole before the first write (on a
         # device: together).
         for job in fused:
-            native.check_offsets(job.chunks, job.counts, job.offsets, job.chunk, job.numel)
-        decoded = decode_deltas([(payload, numel, dtype) for _, payload, numel, dtype, _ in items], self.applier.arena)
+            native.check_offsets(job.chunks, job.counts, job.offsets, job.chunk, job.dst.region.numel())
+        decoded = decode_deltas([(payload, numel, dtype) for _, payload, numel, dtype, _ in items], self.applier.arena,
+                                parsed)
         self._write_fused(fused, marked)
         self.write_decoded(items, decoded, marked)
         self._write_queued()  # before flush(): the whole requantization reads the written copies
@@ -300,34 +300,35 @@ class InPlaceUpdate:
         self.seconds["apply"] += time.perf_counter() - t0
 
     def _split_fused(self, items: list[tuple[str, torch.Tensor, int, torch.dtype, tuple[Target, ...]]]
-                     ) -> tuple[list[_Fused], list[tuple[str, torch.Tensor, int, torch.dtype, tuple[Target, ...]]]]:
+                     ) -> tuple[list[_Fused], list[tuple[str, torch.Tensor, int, torch.dtype, tuple[Target, ...]]],
+                                list[Any] | None]:
         """The host payloads written straight from their offsets (:func:`native.scatter_offsets`, no
-        positions made), and the rest. Fused: index chunks only with 16-bit offsets, one whole live target
-        of the wire's dtype, no rollback (which keeps the positions and old values); the rest decode."""
+        positions made), the rest, and the rest's parses (None where nothing was parsed here). Fused:
+        index chunks only with 16-bit offsets, one whole live target of the wire's dtype, no rollback
+        (which keeps the positions and old values); the rest decode."""
         if self.session.rollback or not native.enabled() or not items or items[0][1].device.type != "cpu":
-            return [], items
+            return [], items, None
         from weight_sync.transport.delta_batch import parse_many
         from weight_sync.transport.delta_format import FORM_INDEX
 
         fused: list[_Fused] = []
-        rest = []
+        rest, rest_parsed = [], []
         for item, p in zip(items, parse_many([(payload, numel, dtype) for _, payload, numel, dtype, _ in items])):
-            name, payload, numel, dtype, targets = item
+            name, payload, _, dtype, targets = item
             t = targets[0] if len(targets) == 1 else None
-            if (t is None or t.kind != "live" or not t.whole or p.n_bits or p.n_plain_chunks
-                    or p.chunk_elems > 1 << 16):
+            d = None
+            if (t is not None and t.kind == "live" and t.whole and not p.n_bits and not p.n_plain_chunks
+                    and p.chunk_elems <= 1 << 16):
+                d = self.applier.live_dst(self.state.layers[t.layer], t)
+            if t is None or d is None or d.device.type != "cpu" or d.dtype != dtype:
                 rest.append(item)
-                continue
-            info = self.state.layers[t.layer]
-            d = self.applier.live_dst(info, t)
-            if d.device.type != "cpu" or d.dtype != dtype:
-                rest.append(item)
+                rest_parsed.append(p)
                 continue
             chunks = np.flatnonzero(p.form == FORM_INDEX)
-            fused.append(_Fused(name, payload.numel(), info, d, chunks, p.counts[chunks],
-                                p.regions[1].numpy().view(np.int16), p.chunk_elems, p.regions[2], numel,
+            fused.append(_Fused(name, payload.numel(), self.state.layers[t.layer], d, chunks, p.counts[chunks],
+                                p.regions[1].numpy().view(np.int16), p.chunk_elems, p.regions[2],
                                 t.dst_offset * d.size))
-        return fused, rest
+        return fused, rest, rest_parsed
 
     def _write_fused(self, fused: list[_Fused], marked: bool) -> None:
         """The fused host payloads written (on several threads when large), their checksum moves kept; a
@@ -337,17 +338,14 @@ class InPlaceUpdate:
         for job in fused:
             self.touched.add(job.info.name)  # before any write: a failure leaves the layer torn
 
-        def run(job: _Fused) -> torch.Tensor | BaseException:
-            try:
-                return native.scatter_offsets(job.dst.region, job.chunks, job.counts, job.offsets, job.chunk,
-                                              job.vals, job.byte_base)
-            except Exception as e:  # raised below, after the others are recorded
-                return e
+        def run(job: _Fused) -> torch.Tensor:
+            return native.scatter_offsets(job.dst.region, job.chunks, job.counts, job.offsets, job.chunk,
+                                          job.vals, job.byte_base)
 
-        failed: BaseException | None = None
+        failed: Exception | None = None
         lines = sum(64 * job.vals.numel() for job in fused)  # a change touches one 64-byte line at most
-        for job, moved in zip(fused, native.parallel_map(run, fused, lines)):
-            if isinstance(moved, BaseException):
+        for job, moved in zip(fused, native.parallel_settle(run, fused, lines)):
+            if isinstance(moved, Exception):
                 failed = failed or moved
                 continue
             self._sum_changes.setdefault(id(job.dst.live), []).append(moved)
@@ -390,19 +388,16 @@ class InPlaceUpdate:
         recorded (in queue order) before the first failure, if any, is raised: a scatter that fails
         writes nothing, and every one that wrote can be rolled back."""
         def run(job: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]
-                ) -> tuple[torch.Tensor, torch.Tensor] | BaseException:
+                ) -> tuple[torch.Tensor, torch.Tensor]:
             _, region, idx, v, byte_base = job
-            try:
-                return native.scatter_tensors(region, idx, v, byte_base, arena)
-            except Exception as e:  # raised below, after the others are recorded
-                return e
+            return native.scatter_tensors(region, idx, v, byte_base, arena)
 
         arena = self.applier.arena
-        failed: BaseException | None = None
+        failed: Exception | None = None
         # A change touches a 64-byte line of its destination at most (the work's upper estimate).
         lines = sum(64 * job[2].numel() for job in queue)
-        for (live, region, idx, _, _), done in zip(queue, native.parallel_map(run, queue, lines)):
-            if isinstance(done, BaseException):
+        for (live, region, idx, _, _), done in zip(queue, native.parallel_settle(run, queue, lines)):
+            if isinstance(done, Exception):
                 failed = failed or done
                 continue
             old, moved = done

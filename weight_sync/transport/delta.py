@@ -205,12 +205,14 @@ def encode_delta_with_positions(
 def _encode_host(vals: torch.Tensor, old: torch.Tensor, base: torch.Tensor, chunk_elems: int, advance: bool,
                  positions: bool, arena: native.HostArena | None = None
                  ) -> tuple[torch.Tensor, np.ndarray | None, int, bool]:
-    """:func:`~weight_sync.transport.delta_cpu.encode_cpu` of host integer views: (encoding, positions
-    if asked, changed count, whether the base was moved)."""
+    """:func:`~weight_sync.transport.delta_cpu.encode_cpu` of host integer views: (encoding, positions,
+    changed count, whether the base was moved). The positions are there if asked, and whenever
+    ``advance`` asked for a base move the encode did not make (the caller's :func:`copy_changed_`)."""
     # The scan may write the base only where ``old`` is the base's own memory, not a copy of it.
     in_place = advance and old.data_ptr() == base.data_ptr() and base.is_contiguous()
     out, pos, count, advanced = encode_cpu(vals.numpy(), old.numpy(), chunk_elems, vals.dtype.itemsize,
-                                           advance=in_place, positions=positions, arena=arena)
+                                           advance=in_place, positions=positions or (advance and not in_place),
+                                           arena=arena)
     return torch.from_numpy(out), pos, count, advanced
 
 
@@ -219,9 +221,7 @@ def _encode_counted(new: torch.Tensor, base: torch.Tensor, chunk_elems: int, adv
     """One host pair's encoding (in ``arena`` where given) and changed count (the base moved if
     ``advance``), without keeping the positions: the scan works in its thread's scratch buffers."""
     vals, old = _int_views(new, base, chunk_elems)
-    scan_moves_base = native.enabled() and old.data_ptr() == base.data_ptr() and base.is_contiguous()
-    out, pos, count, advanced = _encode_host(vals, old, base, chunk_elems, advance,
-                                             positions=advance and not scan_moves_base, arena=arena)
+    out, pos, count, advanced = _encode_host(vals, old, base, chunk_elems, advance, positions=False, arena=arena)
     if advance and not advanced:
         # No native scan (or a base that is not one contiguous tensor): the positions were kept for this.
         assert pos is not None

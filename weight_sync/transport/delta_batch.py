@@ -50,14 +50,15 @@ class _Item:
     numel: int
 
 
-def decode_deltas(items: list[tuple[torch.Tensor, int, torch.dtype]], arena: native.HostArena | None = None
-                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def decode_deltas(items: list[tuple[torch.Tensor, int, torch.dtype]], arena: native.HostArena | None = None,
+                  parsed: list[_Parsed] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """:func:`~weight_sync.transport.delta.decode_delta` of every ``(payload, numel, dtype)``: the same
     (positions, values) per payload, in order, every payload checked before this returns. Payloads on
     the host are parsed together and decoded one by one (numpy's decode has no launches to save),
     their positions written into ``arena`` where one is given; those on a device are decoded together
     per chunk size, their checks read back once. A failed batch check is re-run payload by payload so
-    the error names the payload's problem.
+    the error names the payload's problem. ``parsed``: the parses of every item (``parse_many``'s), all
+    on the host, where the caller made them already.
     """
     out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(items)
     on_device: dict[torch.device, list[int]] = {}
@@ -69,7 +70,7 @@ def decode_deltas(items: list[tuple[torch.Tensor, int, torch.dtype]], arena: nat
         # one: the native / numpy decode has no launches to save, and checks each payload as it goes.
         # (On two threads it was no faster: the decode is quick next to each payload's Python.)
         cpu = torch.device("cpu")
-        for i, p in zip(on_host, parse_many([items[i] for i in on_host])):
+        for i, p in zip(on_host, parse_many([items[i] for i in on_host]) if parsed is None else parsed):
             out[i] = decode_parsed(p, items[i][1], cpu, None, arena)
     own: Checks = []
     for dev, at in on_device.items():

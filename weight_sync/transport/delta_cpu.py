@@ -57,8 +57,9 @@ def encode_cpu(vals: np.ndarray, old: np.ndarray, ce: int, item: int, *, advance
 
     ``advance``: the caller also wants ``old`` moved to ``vals`` (``old`` is its base, not a copy); the
     native scan does it as it goes and ``advanced`` says so, else the caller still has to.
-    ``positions``: False when the caller needs only the count (positions None): the scan then writes
-    into this thread's scratch buffers instead of fresh ones. ``arena``: where the encoding of a tensor
+    ``positions``: False when the caller needs only the count (positions None, unless ``advance`` was
+    asked and could not be done here, the numpy path): the scan then writes into this thread's scratch
+    buffers instead of fresh ones. ``arena``: where the encoding of a tensor
     with changes is written (else a fresh array).
     """
     numel = vals.size
@@ -72,6 +73,7 @@ def encode_cpu(vals: np.ndarray, old: np.ndarray, ce: int, item: int, *, advance
         pos, changed, counts = native.delta_scan(vals, old, ce, advance=advance, scratch=not positions,
                                                  offsets=off16)
     else:
+        positions = positions or advance  # the caller moves the base from them
         advance = False
         # numpy's compare and flatnonzero run ~2x faster than torch's CPU kernels on one thread (measured
         # on 24.6 Mi bf16 at 2% changed: 53-62 ms vs 88-129 ms on the loaded 2-core host; comparing 8-byte
