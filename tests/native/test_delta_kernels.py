@@ -208,19 +208,76 @@ def _index_encoding(n: int, chunk: int, density: float, seed: int) -> tuple[np.n
 @pytest.mark.parametrize("item", [1, 2, 4, 8])
 @pytest.mark.parametrize("n, chunk, density", [(0, 64, 0.0), (5000, 1000, 0.02), (300_000, 1 << 16, 0.05),
                                                (70_001, 1 << 16, 0.9), (3000, 64, 0.0)])
+@pytest.mark.parametrize("byte_base", [24, 26, 27, (1 << 34) + 65521 * 4 - 2])
 def test_a_scatter_from_offsets_writes_and_moves_the_checksum_as_a_scatter_from_positions(
-    item: int, n: int, chunk: int, density: float
+    item: int, n: int, chunk: int, density: float, byte_base: int, scan_kind: str
 ) -> None:
+    # The byte bases put the tensor at every position in a checksum word, and one just below a multiple
+    # of the weights' modulus (65521) far into a large model: the 16-bit path's running word modulus.
     rng = np.random.default_rng(n + item)
     dst = rng.integers(0, 256, n * item, dtype=np.uint8).view(INTS[item])
     pos, chunks, counts, offsets = _index_encoding(n, chunk, density, seed=n)
     vals = rng.integers(0, 256, pos.size * item, dtype=np.uint8).view(INTS[item])
     want = dst.copy()
-    _, want_sums = native.scatter(want, pos, vals, 24)
+    _, want_sums = native.scatter(want, pos, vals, byte_base)
     got = torch.from_numpy(dst.copy())
-    sums = native.scatter_offsets(got, chunks, counts, offsets, chunk, torch.from_numpy(vals), 24)
+    sums = native.scatter_offsets(got, chunks, counts, offsets, chunk, torch.from_numpy(vals), byte_base)
     assert np.array_equal(got.numpy(), want)
     assert sums.tolist() == want_sums.tolist()
+
+
+def _offset_batch(seed: int, bad: int | None = None) -> tuple[native.OffsetBatch, list[torch.Tensor], list[np.ndarray], list[np.ndarray]]:
+    """A batch of 12 index-only encodings of every item size (the ``bad``-th one's offsets repeating):
+    the batch, its destinations, what each should hold after its write, and its checksum move."""
+    rng = np.random.default_rng(seed)
+    batch, dsts, wants, sums = native.OffsetBatch(), [], [], []
+    for i in range(12):
+        item, n = (1, 2, 4, 8)[i % 4], int(rng.integers(1000, 200_000))
+        pos, chunks, counts, offsets = _index_encoding(n, 1 << 16, 0.03, seed=seed + i)
+        if i == bad:
+            offsets[1] = offsets[0]
+        dst = rng.integers(0, 256, n * item, dtype=np.uint8).view(INTS[item])
+        vals = rng.integers(0, 256, pos.size * item, dtype=np.uint8).view(INTS[item])
+        want = dst.copy()
+        _, moved = native.scatter(want, pos, vals, 8 * i)
+        dsts.append(torch.from_numpy(dst))
+        wants.append(want)
+        sums.append(np.asarray(moved))
+        batch.add(f"layers.{i}.weight", dsts[-1], chunks, counts, offsets, 1 << 16, torch.from_numpy(vals), 8 * i)
+    return batch, dsts, wants, sums
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_a_batch_of_encodings_is_written_on_threads_as_each_is_written_alone(
+    threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(native.THREADS_ENV, str(threads))
+    monkeypatch.setattr(native, "PARALLEL_MIN_BYTES", 0)  # small work on the threads too
+    batch, dsts, wants, sums = _offset_batch(seed=5)
+    batch.check()
+    moves = batch.scatter()
+    for dst, want, moved, got in zip(dsts, wants, sums, moves):
+        assert np.array_equal(dst.numpy(), want)
+        assert isinstance(got, torch.Tensor) and got.tolist() == moved.tolist()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_batch_names_its_damaged_encoding_and_its_scatter_writes_only_the_sound_ones(
+    threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(native.THREADS_ENV, str(threads))
+    monkeypatch.setattr(native, "PARALLEL_MIN_BYTES", 0)
+    batch, dsts, wants, _ = _offset_batch(seed=9, bad=7)
+    before = [d.clone() for d in dsts]
+    with pytest.raises(LayoutMismatchError, match=r"layers\.7\.weight: .*repeat or are out of order"):
+        batch.check()
+    assert all(torch.equal(d, b) for d, b in zip(dsts, before)), "a check writes nothing"
+    moves = batch.scatter()
+    assert isinstance(moves[7], LayoutMismatchError) and "layers.7.weight" in str(moves[7])
+    assert torch.equal(dsts[7], before[7])
+    for i, (dst, want) in enumerate(zip(dsts, wants)):
+        if i != 7:
+            assert np.array_equal(dst.numpy(), want), i
 
 
 @pytest.mark.parametrize("damage, message", [("outside", "outside its chunk"), ("repeat", "repeat"),

@@ -283,8 +283,8 @@ def test_index_only_payloads_without_rollback_are_written_from_their_offsets_and
     pair = _pair(qwen3_a, None)
     old = pair["weights"]
     new = {n: _changed(t, "random", torch.Generator().manual_seed(13)) for n, t in old.items()}
-    real, fused = native.scatter_offsets, []
-    monkeypatch.setattr(native, "scatter_offsets", lambda *a: fused.append(1) or real(*a))
+    real, fused = native.OffsetBatch.add, []
+    monkeypatch.setattr(native.OffsetBatch, "add", lambda self, *a: fused.append(a[0]) or real(self, *a))
     report = _delta_and_full(pair, new)
     assert len(fused) >= len(old) // 2  # the direct layers' keys (others are norms in fp32, converted)
     assert _bits_equal(_tensors(pair["delta"]), _tensors(pair["full"]))

@@ -284,12 +284,14 @@ int ws_scatter(void *dst, int64_t n, const int64_t *pos, const void *vals, int64
  * beyond the tensor). */
 static int index16(const int64_t *chunks, const int64_t *counts, int64_t nchunks, const int16_t *o16, int64_t chunk,
                    int64_t n, int64_t *out) {
-    int64_t j = 0, last = -1, bad = 0, unordered = 0;
+    int64_t j = 0, last = -1, unordered = 0;
+    /* In 32 bits (no offset exceeds 65535): the loop then vectorizes, as 64-bit compares did not. */
+    int32_t bad = 0, limit = chunk < 65536 ? (int32_t)chunk : 65536;
     for (int64_t c = 0; c < nchunks; c++) {
         int64_t at = chunks[c] * chunk, k = counts[c];
         if (k <= 0) continue;
         const int16_t *o = o16 + j;
-        for (int64_t e = 0; e < k; e++) bad |= (int64_t)o[e] + 32768 >= chunk;
+        for (int64_t e = 0; e < k; e++) bad |= (int32_t)o[e] + 32768 >= limit;
         for (int64_t e = 1; e < k; e++) unordered |= o[e] <= o[e - 1];
         if (out)
             for (int64_t e = 0; e < k; e++) out[j + e] = at + (int64_t)o[e] + 32768;
@@ -305,14 +307,41 @@ int ws_check_offsets(const int64_t *chunks, const int64_t *counts, int64_t nchun
     return index16(chunks, counts, nchunks, offsets, chunk, n, NULL);
 }
 
-/* An index-only encoding (16-bit offsets) written into `dst` straight from its offsets, checked first as
- * ws_check_offsets checks them (nothing written on an error, its code returned): the positions are made
- * a block at a time on the stack and scattered as ws_scatter does, with its checksum move in sums[0..1];
- * the overwritten values go nowhere (no rollback keeps them). Saves the decode's pass writing every
- * position to memory and the scatter's reading it back. -4: an item size other than 1, 2, 4 or 8. */
-int ws_scatter_offsets(void *dst, int64_t n, const int64_t *chunks, const int64_t *counts, int64_t nchunks,
-                       const int16_t *offsets, int64_t chunk, const void *vals, int item, int64_t byte_base,
-                       int64_t *sums) {
+/* The checksum move (as SCATTER computes it) of `m` 16-bit writes of one chunk, from their offsets `o`
+ * (int16 less 32768), new values `nv` and overwritten values `ov`; the chunk starts at byte `b0` of the
+ * checksummed tensor. A chunk spans at most 32 Ki words (64 Ki elements), so an element's word modulo
+ * 65521 is the chunk's (m0) plus its word in the chunk, less 65521 once at most: no division per element,
+ * and a loop the compiler vectorizes (the per-element divide made the checksum cost more than the write). */
+#define SUMS2(NAME, ATTR)                                                                                \
+    ATTR static void NAME(const int16_t *restrict o, const uint16_t *restrict nv, const uint16_t *restrict ov, \
+                          int64_t m, uint64_t b0, uint64_t *restrict plain, uint64_t *restrict weighted) {  \
+        uint32_t r0 = (uint32_t)(b0 & 3), m0 = (uint32_t)((b0 >> 2) % 65521);                            \
+        uint64_t p = 0, w = 0;                                                                           \
+        for (int64_t e = 0; e < m; e++) {                                                                \
+            uint32_t t = r0 + 2u * (uint32_t)((int32_t)o[e] + 32768);                                    \
+            uint32_t word = m0 + (t >> 2);                                                               \
+            word -= word >= 65521u ? 65521u : 0u;                                                        \
+            uint32_t d = ((uint32_t)nv[e] - (uint32_t)ov[e]) << ((t & 3u) << 3);                         \
+            p += d;                                                                                      \
+            w += (uint32_t)(d * (word + 1u));                                                            \
+        }                                                                                                \
+        *plain += p;                                                                                     \
+        *weighted += w;                                                                                  \
+    }
+SUMS2(sums2_portable, )
+#ifdef WS_X86_SIMD
+SUMS2(sums2_avx2, __attribute__((target("avx2"))))
+#endif
+
+/* One index-only encoding (16-bit offsets) written into `dst` straight from its offsets, checked first as
+ * ws_check_offsets checks them (nothing written on an error, its code returned), with its checksum move
+ * in sums[0..1]; the overwritten values go nowhere (no rollback keeps them). 16-bit elements are written
+ * a block at a time from their offsets, the block's checksum move computed after it; other sizes make
+ * the block's positions on the stack and scatter as ws_scatter does. Saves the decode's pass writing
+ * every position to memory and the scatter's reading it back. -4: an item size other than 1, 2, 4 or 8. */
+static int scatter_offsets(void *dst, int64_t n, const int64_t *chunks, const int64_t *counts, int64_t nchunks,
+                           const int16_t *offsets, int64_t chunk, const void *vals, int item, int64_t byte_base,
+                           int64_t *sums) {
     enum { B = 1024 };
     int64_t pos[B], part[2] = {0, 0};
     uint64_t old[B], plain = 0, weighted = 0;
@@ -326,11 +355,28 @@ int ws_scatter_offsets(void *dst, int64_t n, const int64_t *chunks, const int64_
         for (int64_t e0 = 0; e0 < k; e0 += B) {
             int64_t m = k - e0 < B ? k - e0 : B;
             const int16_t *o = offsets + j + e0;
-            for (int64_t e = 0; e < m; e++) pos[e] = at + (int64_t)o[e] + 32768;
             const void *vv = v + (j + e0) * item;
+            if (item == 2) {
+                uint16_t *d = (uint16_t *)dst, *ov = (uint16_t *)old;
+                const uint16_t *nv = vv;
+                for (int64_t e = 0; e < m; e++) {
+                    int64_t p = at + (int64_t)o[e] + 32768;
+                    ov[e] = d[p];
+                    d[p] = nv[e];
+                }
+                uint64_t b0 = (uint64_t)(byte_base + 2 * at);
+#ifdef WS_X86_SIMD
+                if (has_avx2) {
+                    sums2_avx2(o, nv, ov, m, b0, &plain, &weighted);
+                    continue;
+                }
+#endif
+                sums2_portable(o, nv, ov, m, b0, &plain, &weighted);
+                continue;
+            }
+            for (int64_t e = 0; e < m; e++) pos[e] = at + (int64_t)o[e] + 32768;
             switch (item) {
             case 1: scatter1(dst, pos, vv, m, byte_base, (uint8_t *)old, part); break;
-            case 2: scatter2(dst, pos, vv, m, byte_base, (uint16_t *)old, part); break;
             case 4: scatter4(dst, pos, vv, m, byte_base, (uint32_t *)old, part); break;
             case 8: scatter8(dst, pos, vv, m, byte_base, (uint64_t *)old, part); break;
             }
@@ -341,6 +387,44 @@ int ws_scatter_offsets(void *dst, int64_t n, const int64_t *chunks, const int64_
     }
     sums[0] = (int64_t)plain;
     sums[1] = (int64_t)weighted;
+    return 0;
+}
+
+/* A batch of index-only encodings, one row of JOB_COLS int64 per encoding (weight_sync/native's
+ * OffsetJobs): the destination's address and elements, the chunk numbers' and counts' addresses and
+ * their length, the offsets' address, the chunk size, the values' address, the item size, the byte base,
+ * then the two checksum-move words the scatter writes. One call for a whole bucket: ~300 tensors each
+ * cost a Python call and a GIL hand-back per kernel otherwise. */
+enum { JOB_COLS = 12 };
+
+/* Check every encoding of the batch as ws_check_offsets does; returns the first refusal's code (0 when
+ * all pass) and that encoding's row in *which. */
+int ws_check_offsets_many(const int64_t *jobs, int64_t njobs, int64_t *which) {
+    for (int64_t i = 0; i < njobs; i++) {
+        const int64_t *r = jobs + i * JOB_COLS;
+        int rc = index16((const int64_t *)(intptr_t)r[2], (const int64_t *)(intptr_t)r[3], r[4],
+                         (const int16_t *)(intptr_t)r[5], r[6], r[1], NULL);
+        if (rc) {
+            *which = i;
+            return rc;
+        }
+    }
+    return 0;
+}
+
+/* Write rows [lo, hi) of the batch (scatter_offsets each, its checksum move into the row's last two
+ * words); returns the first failure's code and row in *which (the rows before it are written). */
+int ws_scatter_offsets_many(int64_t *jobs, int64_t lo, int64_t hi, int64_t *which) {
+    for (int64_t i = lo; i < hi; i++) {
+        int64_t *r = jobs + i * JOB_COLS;
+        int rc = scatter_offsets((void *)(intptr_t)r[0], r[1], (const int64_t *)(intptr_t)r[2],
+                                 (const int64_t *)(intptr_t)r[3], r[4], (const int16_t *)(intptr_t)r[5], r[6],
+                                 (const void *)(intptr_t)r[7], (int)r[8], r[9], r + 10);
+        if (rc) {
+            *which = i;
+            return rc;
+        }
+    }
     return 0;
 }
 

@@ -84,18 +84,13 @@ DELTA_BASE_ATTR = "ws_delta_base"
 DELTA_BATCH_ATTR = "ws_delta_batch_bytes"
 @dataclass(slots=True, eq=False)
 class _Fused:
-    """A host payload written straight from its 16-bit offsets into one whole live target."""
+    """A host payload written straight from its 16-bit offsets into one whole live target (its
+    encoding is a row of the bucket's :class:`native.OffsetBatch`)."""
 
     name: str
     payload_bytes: int
     info: LayerInfo
     dst: _LiveDst
-    chunks: np.ndarray  # its index chunks, ascending
-    counts: np.ndarray  # their changed counts
-    offsets: np.ndarray  # int16, as the encoding stores them
-    chunk: int
-    vals: torch.Tensor
-    byte_base: int  # of the target's run in its live tensor
 
 
 #: The default of :func:`keep_delta_base`'s ``batch_bytes``: on the H200 a delta's apply cost ~3 ms of
@@ -286,28 +281,28 @@ class InPlaceUpdate:
         if not items:
             return
         t0 = time.perf_counter()
-        fused, items, parsed = self._split_fused(items)
-        # Every payload checked (the fused ones) or decoded and checked whole before the first write (on a
-        # device: together).
-        for job in fused:
-            native.check_offsets(job.chunks, job.counts, job.offsets, job.chunk, job.dst.region.numel())
+        fused, batch, items, parsed = self._split_fused(items)
+        # Every payload checked (the fused ones, in one call) or decoded and checked whole before the first
+        # write (on a device: together).
+        batch.check()
         decoded = decode_deltas([(payload, numel, dtype) for _, payload, numel, dtype, _ in items], self.applier.arena,
                                 parsed)
-        self._write_fused(fused, marked)
+        self._write_fused(fused, batch, marked)
         self.write_decoded(items, decoded, marked)
         self._write_queued()  # before flush(): the whole requantization reads the written copies
         self.flush()
         self.seconds["apply"] += time.perf_counter() - t0
 
     def _split_fused(self, items: list[tuple[str, torch.Tensor, int, torch.dtype, tuple[Target, ...]]]
-                     ) -> tuple[list[_Fused], list[tuple[str, torch.Tensor, int, torch.dtype, tuple[Target, ...]]],
-                                list[Any] | None]:
-        """The host payloads written straight from their offsets (:func:`native.scatter_offsets`, no
-        positions made), the rest, and the rest's parses (None where nothing was parsed here). Fused:
-        index chunks only with 16-bit offsets, one whole live target of the wire's dtype, no rollback
-        (which keeps the positions and old values); the rest decode."""
+                     ) -> tuple[list[_Fused], native.OffsetBatch,
+                                list[tuple[str, torch.Tensor, int, torch.dtype, tuple[Target, ...]]], list[Any] | None]:
+        """The host payloads written straight from their offsets (no positions made) with their
+        encodings as one batch, the rest, and the rest's parses (None where nothing was parsed here).
+        Fused: index chunks only with 16-bit offsets, one whole live target of the wire's dtype, no
+        rollback (which keeps the positions and old values); the rest decode."""
+        batch = native.OffsetBatch()
         if self.session.rollback or not native.enabled() or not items or items[0][1].device.type != "cpu":
-            return [], items, None
+            return [], batch, items, None
         from weight_sync.transport.delta_batch import parse_many
         from weight_sync.transport.delta_format import FORM_INDEX
 
@@ -325,26 +320,20 @@ class InPlaceUpdate:
                 rest_parsed.append(p)
                 continue
             chunks = np.flatnonzero(p.form == FORM_INDEX)
-            fused.append(_Fused(name, payload.numel(), self.state.layers[t.layer], d, chunks, p.counts[chunks],
-                                p.regions[1].numpy().view(np.int16), p.chunk_elems, p.regions[2],
-                                t.dst_offset * d.size))
-        return fused, rest, rest_parsed
+            batch.add(name, d.region, chunks, p.counts[chunks], p.regions[1].numpy().view(np.int16), p.chunk_elems,
+                      p.regions[2], t.dst_offset * d.size)
+            fused.append(_Fused(name, payload.numel(), self.state.layers[t.layer], d))
+        return fused, batch, rest, rest_parsed
 
-    def _write_fused(self, fused: list[_Fused], marked: bool) -> None:
+    def _write_fused(self, fused: list[_Fused], batch: native.OffsetBatch, marked: bool) -> None:
         """The fused host payloads written (on several threads when large), their checksum moves kept; a
         failure is raised after every other write is recorded (the session is torn: no rollback here)."""
         if not fused:
             return
         for job in fused:
             self.touched.add(job.info.name)  # before any write: a failure leaves the layer torn
-
-        def run(job: _Fused) -> torch.Tensor:
-            return native.scatter_offsets(job.dst.region, job.chunks, job.counts, job.offsets, job.chunk,
-                                          job.vals, job.byte_base)
-
         failed: Exception | None = None
-        lines = sum(64 * job.vals.numel() for job in fused)  # a change touches one 64-byte line at most
-        for job, moved in zip(fused, native.parallel_settle(run, fused, lines)):
+        for job, moved in zip(fused, batch.scatter()):
             if isinstance(moved, Exception):
                 failed = failed or moved
                 continue
