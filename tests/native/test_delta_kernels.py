@@ -298,3 +298,20 @@ def test_a_scatter_from_offsets_refuses_a_damaged_encoding_and_writes_nothing(da
     with pytest.raises(LayoutMismatchError, match=message):
         native.scatter_offsets(dst[:n], chunks, counts, offsets, 1000, vals, 0)
     assert not dst.any()
+
+
+@pytest.mark.parametrize("item", [1, 2, 4, 8])
+@pytest.mark.parametrize("chunk", [8, 64, 1000, 1 << 16, 1 << 17])
+def test_the_forms_kernel_picks_every_chunks_form_as_the_format_does(item: int, chunk: int) -> None:
+    from weight_sync.transport.delta_format import _offset_bytes, forms_of_sizes
+
+    rng = np.random.default_rng(chunk + item)
+    numel = 37 * chunk - chunk // 3  # a short last chunk
+    nchunks = -(-numel // chunk)
+    sizes = np.full(nchunks, chunk, dtype=np.int64)
+    sizes[-1] = numel - (nchunks - 1) * chunk
+    # Counts from none to every element, and the counts where two forms cost the same (ties).
+    ob = _offset_bytes(chunk)
+    ties = [(chunk * item) // (ob + item), (chunk // 8) // ob, 0, 1, chunk]
+    counts = np.minimum(np.concatenate([rng.integers(0, chunk + 1, nchunks - len(ties)), ties]), sizes)
+    assert np.array_equal(native.forms(counts, chunk, numel, item, ob), forms_of_sizes(counts, sizes, chunk, item))

@@ -42,9 +42,9 @@ from weight_sync.native.arena import HostArena
 T = TypeVar("T")
 R = TypeVar("R")
 
-__all__ = ["HostArena", "OffsetBatch", "bitmask_positions", "check_offsets", "delta_scan", "enabled", "index_positions", "library",
-           "parallel_map", "parallel_settle", "scan_kind", "scatter", "scatter_offsets", "scatter_tensors", "simd",
-           "threads"]
+__all__ = ["HostArena", "OffsetBatch", "bitmask_positions", "check_offsets", "delta_scan", "enabled", "forms",
+           "index_positions", "library", "parallel_map", "parallel_settle", "scan_kind", "scatter", "scatter_offsets",
+           "scatter_tensors", "simd", "threads"]
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,7 @@ _SIGNATURES = {
     "ws_index_positions": (_INT, [_P, _P, _I64, _P, _INT, _I64, _P]),
     "ws_check_offsets": (_INT, [_P, _P, _I64, _P, _I64, _I64]),
     "ws_check_offsets_many": (_INT, [_P, _I64, _P]),
+    "ws_forms": (None, [_P, _I64, _I64, _I64, _I64, _I64, _P]),
     "ws_scatter_offsets_many": (_INT, [_P, _I64, _I64, _P]),
     "ws_bitmask_positions": (_I64, [_P, _I64, _P, _I64, _P, _I64]),
     "ws_init": (None, [_INT]),
@@ -288,6 +289,15 @@ def delta_scan(new: np.ndarray, base: np.ndarray, chunk: int, *, advance: bool =
     if len(parts) == 1:
         return parts[0][0], parts[0][1], counts
     return np.concatenate([p for p, _ in parts]), np.concatenate([v for _, v in parts]), counts
+
+
+def forms(counts: np.ndarray, chunk: int, numel: int, item: int, off_bytes: int) -> np.ndarray:
+    """Per chunk of a tensor of ``numel`` elements the cheapest form of its ``counts`` changes, as
+    ``weight_sync.transport.delta_format.forms_of_sizes`` decides them (int64)."""
+    counts = np.ascontiguousarray(counts, dtype=np.int64)
+    out = np.empty(counts.size, dtype=np.int64)
+    _need(library()).ws_forms(_ptr(counts), counts.size, chunk, numel, item, off_bytes, _ptr(out))
+    return out
 
 
 def scatter(dst: np.ndarray, pos: np.ndarray, vals: np.ndarray, byte_base: int) -> tuple[np.ndarray, np.ndarray]:

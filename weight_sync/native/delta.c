@@ -494,5 +494,18 @@ int64_t ws_bitmask_positions(const uint8_t *bits, int64_t nbytes, const int64_t 
     return k;
 }
 
+/* Per chunk of one tensor of `numel` elements the cheapest form, as weight_sync/transport/delta_format.py's
+ * forms_of_sizes decides it (0 same, 1 bitmask, 2 index, 3 plain; ties go to the simpler): one call
+ * where numpy took a dozen small-array operations per tensor. */
+void ws_forms(const int64_t *counts, int64_t nchunks, int64_t chunk, int64_t numel, int64_t item, int64_t off_bytes,
+              int64_t *form) {
+    for (int64_t c = 0; c < nchunks; c++) {
+        int64_t k = counts[c], size = c + 1 < nchunks ? chunk : numel - (nchunks - 1) * chunk;
+        int64_t bitmask = chunk / 8 + k * item, index = k * (off_bytes + item), plain = size * item;
+        int64_t best = index < plain ? index : plain;
+        form[c] = k == 0 ? 0 : bitmask < best ? 1 : index < plain ? 2 : 3;
+    }
+}
+
 /* Which scan the bf16 / 16-bit tensors take: 2 AVX-512, 1 AVX2, 0 the portable loops. */
 int ws_simd(void) { return use_avx512 ? 2 : use_avx2; }

@@ -11,6 +11,7 @@ moves the base; one pass each decodes index and bitmask chunks' positions.
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -112,7 +113,7 @@ def encode_cpu(vals: np.ndarray, old: np.ndarray, ce: int, item: int, *, advance
     # that size, then copied, cost a pass and its page faults).
     sizes = (16 + 8 * num_chunks, n_bm * (ce // 8), sel_i.size * off_bytes, (sel_b.size + sel_i.size) * item,
              n_plain * item)
-    starts = np.cumsum([0, *(_align8(n) for n in sizes)]).tolist()
+    starts = list(accumulate((_align8(n) for n in sizes), initial=0))
     out = np.empty(starts[-1], dtype=np.uint8) if arena is None else arena.take(starts[-1], np.uint8)
     for a, n, e in zip(starts, sizes, starts[1:]):
         out[a + n : e] = 0  # the alignment padding

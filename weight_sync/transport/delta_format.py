@@ -10,6 +10,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from weight_sync import native
+
 __all__ = ["DEFAULT_CHUNK_ELEMS", "FORM_BITMASK", "FORM_INDEX", "FORM_PLAIN", "FORM_SAME", "MAGIC", "forms_of_sizes"]
 
 MAGIC = 0x32445357  # "WSD2" little-endian (WSD1 had int32 offsets for every chunk size)
@@ -37,7 +39,10 @@ def _offset_bytes(chunk_elems: int) -> int:
 
 def _forms(counts: np.ndarray, chunk_elems: int, numel: int, item: int) -> np.ndarray:
     """Per chunk the cheapest form, from the changed counts per chunk of one tensor of ``numel``
-    elements (the table is decided on the host, in numpy: it is tiny)."""
+    elements (the table is decided on the host: it is tiny; by the native kernel where it is built,
+    one call for numpy's dozen small operations, once per tensor of every update)."""
+    if native.enabled():
+        return native.forms(counts, chunk_elems, numel, item, _offset_bytes(chunk_elems))
     sizes = np.full(counts.size, chunk_elems, dtype=np.int64)
     if counts.size:
         sizes[-1] = numel - (counts.size - 1) * chunk_elems
