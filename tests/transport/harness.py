@@ -323,7 +323,8 @@ def engine_role(address: str, rank: int, ckpt_a: str, rollback: bool, results: A
 
 def sender_role(backend: str, num_receivers: int, ckpt_b: str, timeout_s: float, mode: str,
                 after_tensors: int, addresses: Any, results: Any) -> None:
-    """A trainer that dies (SIGKILL) or hangs after ``after_tensors`` tensors of its first update."""
+    """A trainer that dies (SIGKILL) or hangs after ``after_tensors`` tensors of its first update (mode
+    'kill', 'hang'), or dies once the call carrying them is done, before its next call ('kill_between_calls')."""
     import signal
     import threading
 
@@ -333,6 +334,17 @@ def sender_role(backend: str, num_receivers: int, ckpt_b: str, timeout_s: float,
         addresses.put(sender.address)
     sender.connect()
     src = CheckpointSource(ckpt_b)
+    if mode == "kill_between_calls":
+        # Driven phase by phase: the first call's tensors reach (and are written on) every engine, then
+        # the sender dies before the next call's header.
+        manifest = src.manifest()
+        sender.start_weight_update(manifest, version=1)
+        first = manifest.names[:after_tensors]
+        sender.update_weights(((n, t) for n, t in src if n in first), names=first)
+        results.put(("stopped", 0, time.time()))
+        results.close()
+        results.join_thread()
+        os.kill(os.getpid(), signal.SIGKILL)
 
     def tensors():
         for i, item in enumerate(src):

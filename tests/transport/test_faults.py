@@ -97,6 +97,24 @@ def test_a_sender_killed_mid_update_makes_every_receiver_raise_within_twice_the_
         assert o["rolled_back"] and not o["torn"], "rollback=True must restore the engine bitwise"
 
 
+@pytest.mark.parametrize("rollback", [True, False])
+def test_a_sender_killed_between_two_calls_leaves_every_engine_rolled_back_or_torn_as_its_wait_fails(
+    rollback: bool, qwen3_a: Path, qwen3_b: Path
+) -> None:
+    # The first call's seven tensors were written and agreed; the receiver then waits for the next
+    # header. When that wait fails, the engine is already rolled back or torn (not left mid-update with
+    # the first call's writes until the next start or close).
+    timeout_s = 6.0
+    outcomes, killed_at = _run_sender_failure("kill_between_calls", "gloo", qwen3_a, qwen3_b, timeout_s, rollback)
+    for o in outcomes:
+        assert o["error"] in ("TransportError", "TransportTimeout"), o
+        assert o["raised_at"] - killed_at <= 2 * timeout_s, o
+        if rollback:
+            assert o["rolled_back"] and not o["torn"], o
+        else:
+            assert o["torn"] and not o["rolled_back"], o
+
+
 def test_a_hung_sender_makes_every_receiver_time_out_and_tear_without_rollback(qwen3_a: Path, qwen3_b: Path) -> None:
     timeout_s = 4.0
     outcomes, hung_at = _run_sender_failure("hang", "gloo", qwen3_a, qwen3_b, timeout_s, rollback=False)

@@ -161,13 +161,21 @@ class WeightReceiver:
 
     # ------------------------------------------------------------------ control messages
     def _header(self, phase: str, timeout_s: float | None = None) -> ControlHeader:
+        """The sender's next header. One that never comes (a dead sender, a broken channel) or makes no
+        sense ends the open update here, as a failed phase does: rolled back or torn at once, not left
+        open with the calls already written until the next start or close."""
         assert self._channel is not None
-        raw = self._channel.broadcast_bytes(None, phase, timeout_s)
-        header = ControlHeader.from_json(raw)
-        if header.seq != self._seq + (1 if header.kind == "start" else 0):
-            msg = f"[rank {self.rank}] {phase}: the sender is at update {header.seq}, this receiver at {self._seq}"
-            self._channel.fail(msg)
-            raise TransportError(msg)
+        try:
+            raw = self._channel.broadcast_bytes(None, phase, timeout_s)
+            header = ControlHeader.from_json(raw)
+            if header.seq != self._seq + (1 if header.kind == "start" else 0):
+                msg = (f"[rank {self.rank}] {phase}: the sender is at update {header.seq}, this receiver at "
+                       f"{self._seq}")
+                self._channel.fail(msg)
+                raise TransportError(msg)
+        except BaseException as e:
+            self._abort_session(f"{type(e).__name__}: {e}")
+            raise
         return header
 
     def _next_header(self, phase: str) -> ControlHeader:
