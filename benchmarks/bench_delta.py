@@ -304,13 +304,21 @@ def _traffic_note(row: dict[str, Any]) -> str:
     return f", memory traffic {row['traffic_ratio']:.2f}x" if "traffic_ratio" in row else ""
 
 
+def _gpus(env: dict[str, Any]) -> str:
+    """The GPUs a CUDA run used (their names), or how many a CPU run left idle (environment() counts them)."""
+    gpus = env.get("gpus")
+    if isinstance(gpus, list):
+        return ", ".join(gpus) or "no GPU"
+    return f"{gpus} GPU(s), not used" if gpus else "no GPU"
+
+
 def _markdown(result: dict[str, Any]) -> str:
     env = result["environment"]
     where = f"{result['device'].upper() if result['device'] == 'cpu' else 'GPU'} over {result['backend']}"
     lines = [
         f"# Delta sync vs full sync, {where} ({result['preset']}, engine {result['quantization'] or 'bf16'})",
         "",
-        f"{env['date']}; {env['cpu']} ({env['cpu_count']} cores); {', '.join(env.get('gpus', [])) or 'no GPU'}; "
+        f"{env['date']}; {env['cpu']} ({env['cpu_count']} cores); {_gpus(env)}; "
         f"torch {env['torch']}, Python {env['python']}.",
         f"Command: `{env['command']}`. Model: {result['num_tensors']} tensors, {result['full_bytes'] / 1e6:.1f} MB "
         f"in bf16; {result['repeats']} repeats x 2 directions after {result['warmup']} untimed round(s), median; bucket {result['bucket_bytes'] >> 20} MiB; "

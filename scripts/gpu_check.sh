@@ -3,7 +3,8 @@
 #
 #   bash scripts/gpu_check.sh [limits] [tests] [quant] [reload] [moe] [offload_update] [offload] [transport]
 #                          [multi] [async] [async_gloo] [delta] [tests_quick] [reload8b] [offload_fp8] [transport_zc]
-#                          [delta_profile] [delta_decode] [delta_trace] [tests_delta] [delta_flat] (default: all but the last twelve)
+#                          [delta_profile] [delta_decode] [delta_trace] [tests_delta] [delta_flat] [delta_cpu_host]
+#                          (default: the first nine)
 #   (transport = transport_ipc transport_sweep transport_nccl, delta = delta_small delta8b: each also a phase of its own)
 #   bash scripts/gpu_check.sh peers   (opt-in: bench_peers.py, weight_sync next to checkpoint-engine from .whl/)
 #
@@ -134,6 +135,9 @@ for phase in "${phases[@]}"; do
         --profile-deltas gpu_out/delta_8b_prof --tag ${G}_fp8_block_8b_profiled
       python3 -c "import pstats, sys; s = pstats.Stats(sys.argv[1]); s.sort_stats('cumulative').print_stats(70); s.sort_stats('tottime').print_stats(40)" \
         gpu_out/delta_8b_prof/engine_deltas.prof > gpu_out/delta_8b_prof/engine_deltas.txt 2>&1 ;;
+    delta_cpu_host)  # issue 18: the CPU delta over gloo on this host's 16 cores (the CI host has 2, shared)
+      step bench_delta_cpu_host 240 python3 benchmarks/bench_delta.py --preset qwen3-0.6b --no-adam \
+        --densities 0,0.02 --repeats 3 --bucket-mib 64 --tag ${G}host_cpu_qwen3-0.6b ;;
     tests_delta)  # issue 18: the delta path's GPU tests (decode, grouped scatter, apply by address, checksums)
       step tests_delta 300 python3 -m pytest tests/transport/test_delta_gpu.py tests/reload/test_scatter_many.py \
         tests/reload/test_delta_flat.py tests/transport/test_gpu.py -k "not nccl and not ipc" -q -p no:cacheprovider -rs ;;
