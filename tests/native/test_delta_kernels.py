@@ -221,9 +221,12 @@ def test_a_scatter_from_offsets_writes_and_moves_the_checksum_as_a_scatter_from_
     want = dst.copy()
     _, want_sums = native.scatter(want, pos, vals, byte_base)
     got = torch.from_numpy(dst.copy())
-    sums = native.scatter_offsets(got, chunks, counts, offsets, chunk, torch.from_numpy(vals), byte_base)
+    batch = native.OffsetBatch()
+    batch.add("w", got, chunks, counts, offsets, chunk, torch.from_numpy(vals), byte_base)
+    batch.check()
+    (sums,) = batch.scatter()
     assert np.array_equal(got.numpy(), want)
-    assert sums.tolist() == want_sums.tolist()
+    assert isinstance(sums, torch.Tensor) and sums.tolist() == want_sums.tolist()
 
 
 def _offset_batch(seed: int, bad: int | None = None) -> tuple[native.OffsetBatch, list[torch.Tensor], list[np.ndarray], list[np.ndarray]]:
@@ -293,10 +296,12 @@ def test_a_scatter_from_offsets_refuses_a_damaged_encoding_and_writes_nothing(da
         n = int(pos[-1])  # the last change lies one past the tensor's end
     dst = torch.zeros(5000, dtype=torch.int16)
     vals = torch.ones(pos.size, dtype=torch.int16)
+    batch = native.OffsetBatch()
+    batch.add("w", dst[:n], chunks, counts, offsets, 1000, vals, 0)
     with pytest.raises(LayoutMismatchError, match=message):
-        native.check_offsets(chunks, counts, offsets, 1000, n)
-    with pytest.raises(LayoutMismatchError, match=message):
-        native.scatter_offsets(dst[:n], chunks, counts, offsets, 1000, vals, 0)
+        batch.check()
+    (refused,) = batch.scatter()  # the write checks again, and writes nothing of a refused encoding
+    assert isinstance(refused, LayoutMismatchError) and message in str(refused)
     assert not dst.any()
 
 

@@ -339,8 +339,7 @@ def sender_role(backend: str, num_receivers: int, ckpt_b: str, timeout_s: float,
         # the sender dies before the next call's header.
         manifest = src.manifest()
         sender.start_weight_update(manifest, version=1)
-        first = manifest.names[:after_tensors]
-        sender.update_weights(((n, t) for n, t in src if n in first), names=first)
+        sender.update_weights(itertools.islice(src, after_tensors), names=manifest.names[:after_tensors])
         results.put(("stopped", 0, time.time()))
         results.close()
         results.join_thread()

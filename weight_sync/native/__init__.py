@@ -42,9 +42,8 @@ from weight_sync.native.arena import HostArena
 T = TypeVar("T")
 R = TypeVar("R")
 
-__all__ = ["HostArena", "OffsetBatch", "bitmask_positions", "check_offsets", "delta_scan", "enabled", "forms",
-           "index_positions", "library", "parallel_map", "parallel_settle", "scan_kind", "scatter", "scatter_offsets",
-           "scatter_tensors", "simd", "threads"]
+__all__ = ["HostArena", "OffsetBatch", "bitmask_positions", "delta_scan", "enabled", "forms", "index_positions",
+           "library", "parallel_map", "parallel_settle", "scan_kind", "scatter", "scatter_tensors", "simd", "threads"]
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +63,6 @@ _SIGNATURES = {
     "ws_delta_scan_offsets": (_I64, [_P, _P, _I64, _INT, _I64, _I64, _INT, _P, _P, _I64, _P, _P]),
     "ws_scatter": (_INT, [_P, _I64, _P, _P, _I64, _INT, _I64, _P, _P]),
     "ws_index_positions": (_INT, [_P, _P, _I64, _P, _INT, _I64, _P]),
-    "ws_check_offsets": (_INT, [_P, _P, _I64, _P, _I64, _I64]),
     "ws_check_offsets_many": (_INT, [_P, _I64, _P]),
     "ws_forms": (None, [_P, _I64, _I64, _I64, _I64, _I64, _P]),
     "ws_scatter_offsets_many": (_INT, [_P, _I64, _I64, _P]),
@@ -362,38 +360,13 @@ _OFFSET_ERRORS = {
 }
 
 
-def _offsets_checked(rc: int, chunk: int, n: int, item: int = 0) -> None:
-    """Raise for the index decode's and the offsets scatter's error codes (nothing was written then)."""
+def _offsets_error(rc: int, chunk: int, n: int, item: int = 0) -> LayoutMismatchError | None:
+    """The error for the index decode's and the offsets scatter's codes (nothing was written then)."""
     if rc in _OFFSET_ERRORS:
-        raise LayoutMismatchError(_OFFSET_ERRORS[rc].format(chunk=chunk, n=n))
+        return LayoutMismatchError(_OFFSET_ERRORS[rc].format(chunk=chunk, n=n))
     if rc:
-        raise LayoutMismatchError(f"delta scatter: item size {item} is not 1, 2, 4 or 8 bytes")
-
-
-def check_offsets(chunks: np.ndarray, counts: np.ndarray, offsets: np.ndarray, chunk: int, n: int) -> None:
-    """Refuse an index-only encoding's 16-bit ``offsets`` (the raw region; ``chunks`` ascending, ``counts``
-    offsets each) whose offsets leave their chunk, repeat or go back, or whose last position lies beyond
-    a tensor of ``n`` elements: :func:`index_positions`' checks, without writing the positions."""
-    lib = _need(library())
-    chunks = np.ascontiguousarray(chunks, dtype=np.int64)
-    counts = np.ascontiguousarray(counts, dtype=np.int64)
-    _offsets_checked(lib.ws_check_offsets(_ptr(chunks), _ptr(counts), chunks.size,
-                                          _ptr(np.ascontiguousarray(offsets)), chunk, n), chunk, n)
-
-
-def scatter_offsets(dst: torch.Tensor, chunks: np.ndarray, counts: np.ndarray, offsets: np.ndarray, chunk: int,
-                    vals: torch.Tensor, byte_base: int) -> torch.Tensor:
-    """Write an index-only encoding (16-bit ``offsets``, as :func:`check_offsets` takes them, and its
-    ``vals``) into ``dst`` (a flat contiguous CPU tensor of ``vals``' integer dtype) without making its
-    positions, checked first (nothing written when refused); returns the int64 ``[plain, weighted]``
-    checksum move, as :func:`scatter_tensors` does. The overwritten values are not kept. A bucket's
-    encodings go together through :class:`OffsetBatch`."""
-    batch = OffsetBatch()
-    batch.add("delta scatter", dst, chunks, counts, offsets, chunk, vals, byte_base)
-    (moved,) = batch.scatter()
-    if isinstance(moved, Exception):
-        raise moved
-    return moved
+        return LayoutMismatchError(f"delta scatter: item size {item} is not 1, 2, 4 or 8 bytes")
+    return None
 
 
 class OffsetBatch:
@@ -411,7 +384,6 @@ class OffsetBatch:
         self._names: list[str] = []
         self._keep: list[object] = []  # what the rows' addresses point into, alive until the writes end
         self._changes: list[int] = []
-        self._lines = 0
         self._jobs: np.ndarray | None = None  # the rows as the kernels read them (made at the first use)
 
     def __len__(self) -> int:
@@ -419,7 +391,10 @@ class OffsetBatch:
 
     def add(self, name: str, dst: torch.Tensor, chunks: np.ndarray, counts: np.ndarray, offsets: np.ndarray,
             chunk: int, vals: torch.Tensor, byte_base: int) -> None:
-        """Queue ``name``'s encoding for ``dst`` (as :func:`scatter_offsets` takes them)."""
+        """Queue ``name``'s index-only encoding for ``dst`` (a flat contiguous CPU tensor of ``vals``' integer
+        dtype): its index chunks' numbers ``chunks`` (ascending) and ``counts``, their 16-bit ``offsets``
+        as the encoding stores them, its new ``vals``, and the byte of the checksummed tensor ``dst``
+        starts at."""
         if vals.dtype != dst.dtype or not (dst.is_cpu and vals.is_cpu and dst.is_contiguous()) or dst.dim() != 1:
             raise LayoutMismatchError(f"{name}: delta scatter of {vals.dtype} values into a {dst.dtype} destination "
                                       f"of shape {tuple(dst.shape)} on {dst.device} (expected a flat contiguous CPU "
@@ -436,7 +411,6 @@ class OffsetBatch:
         self._names.append(name)
         self._keep += [dst, chunks, counts, offsets, vals]
         self._changes.append(vals.numel())
-        self._lines += 64 * vals.numel()  # a change touches one 64-byte line at most
 
     def _table(self) -> np.ndarray:
         if self._jobs is None or len(self._jobs) != len(self._rows):
@@ -445,11 +419,7 @@ class OffsetBatch:
 
     def _refused(self, rc: int, i: int) -> LayoutMismatchError:
         row = self._rows[i]
-        try:
-            _offsets_checked(rc, row[6], row[1], row[8])  # raises for every nonzero code
-        except LayoutMismatchError as e:
-            return LayoutMismatchError(f"{self._names[i]}: {e}")
-        return LayoutMismatchError(f"{self._names[i]}: delta scatter failed with code {rc}")
+        return LayoutMismatchError(f"{self._names[i]}: {_offsets_error(rc, row[6], row[1], row[8])}")
 
     def check(self) -> None:
         """Raise :class:`LayoutMismatchError`, naming the first encoding whose offsets leave their chunk,
@@ -469,9 +439,10 @@ class OffsetBatch:
         n = len(self._rows)
         if not n:
             return []
-        workers = min(threads(), n) if self._lines >= PARALLEL_MIN_BYTES else 1
-        # Runs of rows of about equal numbers of changes, one per thread.
         done = np.cumsum(self._changes)
+        lines = 64 * int(done[-1])  # a change touches one 64-byte line at most
+        workers = min(threads(), n) if lines >= PARALLEL_MIN_BYTES else 1
+        # Runs of rows of about equal numbers of changes, one per thread.
         cuts = [0, *np.searchsorted(done, [done[-1] * k / workers for k in range(1, workers)], side="right").tolist(), n]
         errors: dict[int, Exception] = {}
 
@@ -485,7 +456,7 @@ class OffsetBatch:
                 errors[which.value] = self._refused(rc, which.value)
                 lo = which.value + 1
 
-        parallel_map(run, list(pairwise(cuts)), self._lines)
+        parallel_map(run, list(pairwise(cuts)), lines)
         moves = torch.from_numpy(table[:, 10:12])
         return [errors.get(i, moves[i]) for i in range(n)]
 
@@ -500,9 +471,11 @@ def index_positions(chunks: np.ndarray, counts: np.ndarray, offsets: np.ndarray,
     counts = np.ascontiguousarray(counts, dtype=np.int64)
     out = _output(arena, offsets.size // off_bytes)
     n = np.iinfo(np.int64).max  # the caller checks the positions against its tensor
-    _offsets_checked(lib.ws_index_positions(_ptr(chunks), _ptr(counts), chunks.size,
-                                            _ptr(np.ascontiguousarray(offsets)), off_bytes, chunk, _ptr(out)),
-                     chunk, n)
+    error = _offsets_error(lib.ws_index_positions(_ptr(chunks), _ptr(counts), chunks.size,
+                                                  _ptr(np.ascontiguousarray(offsets)), off_bytes, chunk, _ptr(out)),
+                           chunk, n)
+    if error is not None:
+        raise error
     return out
 
 

@@ -302,11 +302,6 @@ static int index16(const int64_t *chunks, const int64_t *counts, int64_t nchunks
     return bad ? -1 : unordered ? -2 : last >= n ? -3 : 0;
 }
 
-int ws_check_offsets(const int64_t *chunks, const int64_t *counts, int64_t nchunks, const int16_t *offsets,
-                     int64_t chunk, int64_t n) {
-    return index16(chunks, counts, nchunks, offsets, chunk, n, NULL);
-}
-
 /* The checksum move (as SCATTER computes it) of `m` 16-bit writes of one chunk, from their offsets `o`
  * (int16 less 32768), new values `nv` and overwritten values `ov`; the chunk starts at byte `b0` of the
  * checksummed tensor. A chunk spans at most 32 Ki words (64 Ki elements), so an element's word modulo
@@ -333,8 +328,8 @@ SUMS2(sums2_portable, )
 SUMS2(sums2_avx2, __attribute__((target("avx2"))))
 #endif
 
-/* One index-only encoding (16-bit offsets) written into `dst` straight from its offsets, checked first as
- * ws_check_offsets checks them (nothing written on an error, its code returned), with its checksum move
+/* One index-only encoding (16-bit offsets) written into `dst` straight from its offsets, checked first by
+ * index16 (nothing written on an error, its code returned), with its checksum move
  * in sums[0..1]; the overwritten values go nowhere (no rollback keeps them). 16-bit elements are written
  * a block at a time from their offsets, the block's checksum move computed after it; other sizes make
  * the block's positions on the stack and scatter as ws_scatter does. Saves the decode's pass writing
@@ -391,13 +386,14 @@ static int scatter_offsets(void *dst, int64_t n, const int64_t *chunks, const in
 }
 
 /* A batch of index-only encodings, one row of JOB_COLS int64 per encoding (weight_sync/native's
- * OffsetJobs): the destination's address and elements, the chunk numbers' and counts' addresses and
+ * OffsetBatch): the destination's address and elements, the chunk numbers' and counts' addresses and
  * their length, the offsets' address, the chunk size, the values' address, the item size, the byte base,
  * then the two checksum-move words the scatter writes. One call for a whole bucket: ~300 tensors each
  * cost a Python call and a GIL hand-back per kernel otherwise. */
 enum { JOB_COLS = 12 };
 
-/* Check every encoding of the batch as ws_check_offsets does; returns the first refusal's code (0 when
+/* Check every encoding of the batch (index16: offsets inside their chunks, positions strictly increasing
+ * and inside the destination); returns the first refusal's code (0 when
  * all pass) and that encoding's row in *which. */
 int ws_check_offsets_many(const int64_t *jobs, int64_t njobs, int64_t *which) {
     for (int64_t i = 0; i < njobs; i++) {
