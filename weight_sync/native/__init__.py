@@ -47,7 +47,8 @@ __all__ = ["HostArena", "OffsetBatch", "bitmask_positions", "delta_scan", "enabl
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("delta.c")
+# One library from these sources (encode.c calls delta.c's scan).
+_SOURCES = (Path(__file__).with_name("delta.c"), Path(__file__).with_name("encode.c"))
 _FLAGS = ("-O3", "-fPIC", "-shared")
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -67,6 +68,9 @@ _SIGNATURES = {
     "ws_forms": (None, [_P, _I64, _I64, _I64, _I64, _I64, _P]),
     "ws_scatter_offsets_many": (_INT, [_P, _I64, _I64, _P]),
     "ws_bitmask_positions": (_I64, [_P, _I64, _P, _I64, _P, _I64]),
+    "ws_scan_ranges": (None, [_P, _I64, _I64]),
+    "ws_encode_sizes": (None, [_P, _I64]),
+    "ws_encode_write": (None, [_P, _P, _I64, _I64]),
     "ws_init": (None, [_INT]),
     "ws_simd": (_INT, []),
 }
@@ -106,7 +110,7 @@ def _build(source: bytes, compiler: str) -> Path:
     fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
     os.close(fd)
     try:
-        subprocess.run([compiler, *_FLAGS, "-o", tmp, str(_SOURCE)], check=True, capture_output=True,
+        subprocess.run([compiler, *_FLAGS, "-o", tmp, *map(str, _SOURCES)], check=True, capture_output=True,
                        timeout=120)
         os.replace(tmp, out)
     finally:
@@ -129,7 +133,7 @@ def library() -> ctypes.CDLL | None:
             try:
                 if not compiler:
                     raise OSError("no C compiler found (set CC)")
-                lib = ctypes.CDLL(str(_build(_SOURCE.read_bytes(), compiler)))
+                lib = ctypes.CDLL(str(_build(b"".join(p.read_bytes() for p in _SOURCES), compiler)))
                 for name, (res, args) in _SIGNATURES.items():
                     fn = getattr(lib, name)
                     fn.restype, fn.argtypes = res, args

@@ -248,6 +248,8 @@ def encode_deltas(
             host.append(i)
         else:
             groups.setdefault((new.device, new.dtype.itemsize), []).append(i)
+    if host and native.enabled() and chunk_elems <= 1 << 16:
+        host = _encode_batched(pairs, host, chunk_elems, advance, arena, out)
     # Host pairs on several threads (the scans run without the GIL), the largest first so that the
     # last to finish is a small one; each writes only its own base and encoding.
     host.sort(key=lambda i: -pairs[i][0].numel())
@@ -259,6 +261,27 @@ def encode_deltas(
         for i, done in zip(at, encode_group([pairs[i] for i in at], chunk_elems, advance=advance)):
             out[i] = done
     return [o for o in out if o is not None]
+
+
+def _encode_batched(pairs: list[tuple[torch.Tensor, torch.Tensor]], host: list[int], chunk_elems: int, advance: bool,
+                    arena: native.HostArena | None, out: list[tuple[torch.Tensor, int] | None]) -> list[int]:
+    """Encode the host pairs the native batch takes (:func:`weight_sync.native.encode.encode_many`: a
+    table row per tensor instead of a dozen numpy calls each) into ``out``; returns the others (a base
+    that is not one contiguous tensor of its own, which the scan cannot move in place)."""
+    from weight_sync.native.encode import encode_many
+
+    views, batch, rest = [], [], []
+    for i in host:
+        new, base = pairs[i]
+        vals, old = _int_views(new, base, chunk_elems)
+        if advance and not (old.data_ptr() == base.data_ptr() and base.is_contiguous()):
+            rest.append(i)
+            continue
+        views.append((vals, old))
+        batch.append(i)
+    for i, done in zip(batch, encode_many(views, chunk_elems, advance=advance, arena=arena)):
+        out[i] = done
+    return rest
 
 
 def _int_views(new: torch.Tensor, base: torch.Tensor, chunk_elems: int) -> tuple[torch.Tensor, torch.Tensor]:
