@@ -67,14 +67,14 @@ def _session(engine: ReferenceEngine, weights: dict[str, torch.Tensor], version:
                         version=version, rollback=rollback)
 
 
-def _delta_and_full(pair: dict[str, Any], new: dict[str, torch.Tensor]) -> Any:
-    """The next version ``new`` as a delta into the pair's delta engine and in full into the other; the
-    delta's report."""
+def _delta_and_full(pair: dict[str, Any], new: dict[str, torch.Tensor], chunk_elems: int = 1024) -> Any:
+    """The next version ``new`` as a delta (chunks of ``chunk_elems``) into the pair's delta engine and in
+    full into the other; the delta's report."""
     old = pair["weights"]
     pair["version"] += 1
     v = pair["version"]
     session = DeltaSession(_session(pair["delta"], new, v), pair["base"], "delta")
-    session.load([(n, encode_delta(new[n], old[n], chunk_elems=1024)) for n in old])
+    session.load([(n, encode_delta(new[n], old[n], chunk_elems=chunk_elems)) for n in old])
     report = session.finish()
     full = _session(pair["full"], new, v)
     full.load(list(new.items()))
@@ -271,8 +271,11 @@ def test_a_host_scatter_failing_among_threaded_ones_is_raised_and_rollback_undoe
     _PAIRS.pop(None)
 
 
+# 1 Ki chunks: tables beyond the leading bytes a bucket reads together, each payload parsed alone; 64 Ki
+# (the default): tables read together, the batch taking them as arrays.
+@pytest.mark.parametrize("chunk_elems", [1024, 1 << 16])
 def test_index_only_payloads_without_rollback_are_written_from_their_offsets_and_equal_a_full_reload(
-    qwen3_a: Path, monkeypatch: pytest.MonkeyPatch
+    qwen3_a: Path, chunk_elems: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Without rollback nothing keeps positions or old values: a host payload of index chunks into one
     # whole live tensor is written straight from its 16-bit offsets (no positions made).
@@ -283,15 +286,21 @@ def test_index_only_payloads_without_rollback_are_written_from_their_offsets_and
     pair = _pair(qwen3_a, None)
     old = pair["weights"]
     new = {n: _changed(t, "random", torch.Generator().manual_seed(13)) for n, t in old.items()}
-    real, fused = native.OffsetBatch.add, []
+    # Spied: both ways an encoding joins the batch (a table read with its bucket's, or one parsed alone).
+    real, real_table, fused = native.OffsetBatch.add, native.OffsetBatch.add_table, []
     monkeypatch.setattr(native.OffsetBatch, "add", lambda self, *a: fused.append(a[0]) or real(self, *a))
-    report = _delta_and_full(pair, new)
+    monkeypatch.setattr(native.OffsetBatch, "add_table",
+                        lambda self, *a: fused.extend(a[0]) or real_table(self, *a))
+    report = _delta_and_full(pair, new, chunk_elems)
     assert len(fused) >= len(old) // 2  # the direct layers' keys (others are norms in fp32, converted)
     assert _bits_equal(_tensors(pair["delta"]), _tensors(pair["full"]))
     assert report.fingerprint == pair["full"].fingerprint()
 
 
-def test_a_damaged_index_only_payload_is_refused_before_any_payload_of_its_bucket_is_written(qwen3_a: Path) -> None:
+@pytest.mark.parametrize("chunk_elems", [1024, 1 << 16])
+def test_a_damaged_index_only_payload_is_refused_before_any_payload_of_its_bucket_is_written(
+    qwen3_a: Path, chunk_elems: int
+) -> None:
     from weight_sync.errors import LayoutMismatchError
     from weight_sync.transport.delta import _parse
 
@@ -299,7 +308,7 @@ def test_a_damaged_index_only_payload_is_refused_before_any_payload_of_its_bucke
     old = pair["weights"]
     new = {n: _changed(t, "random", torch.Generator().manual_seed(17)) for n, t in old.items()}
     names = list(old)
-    payloads = [(n, encode_delta(new[n], old[n], chunk_elems=1024)) for n in names]
+    payloads = [(n, encode_delta(new[n], old[n], chunk_elems=chunk_elems)) for n in names]
     # The last matrix's payload damaged (every payload before it would be written if checks and writes
     # went payload by payload): its first two index offsets made equal, its sizes all still agreeing.
     at = max(i for i, n in enumerate(names) if new[n].dim() == 2)

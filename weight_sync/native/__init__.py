@@ -199,6 +199,9 @@ def threads() -> int:
 #: 1.19 GB Qwen3-0.6B shape's encode 0.15-0.19 s on two, 0.19-0.24 s on one).
 PARALLEL_MIN_BYTES = 128 << 20
 
+#: Chunks per row of an :class:`OffsetBatch` encoding added by ``add_table`` (8 Mi elements at 64 Ki).
+PIECE_CHUNKS = 128
+
 
 def parallel_settle(fn: Callable[[T], R], items: Sequence[T], work_bytes: int) -> list[R | Exception]:
     """Each ``fn(x)`` of ``items``, or the exception it raised, in order: on :func:`threads` threads when
@@ -375,23 +378,36 @@ def _offsets_error(rc: int, chunk: int, n: int, item: int = 0) -> LayoutMismatch
 
 class OffsetBatch:
     """Index-only encodings (16-bit offsets) bound for one bucket's writes: every one checked in one call
-    before any is written, then written on :func:`threads` threads, a run of encodings per call (one
-    call per tensor cost a Python call and a GIL hand-back each: ~300 per bucket of a 0.6B model)."""
+    before any is written, then written on :func:`threads` threads, a run of rows per call (one call per
+    tensor cost a Python call and a GIL hand-back each: ~300 per bucket of a 0.6B model). An encoding
+    added by :meth:`add_table` is cut into rows of at most :data:`PIECE_CHUNKS` chunks, so that the threads
+    share even work where one tensor (an embedding) holds a quarter of the changes."""
 
-    # One row per encoding, as delta.c's ws_*_offsets_many read it: destination address and elements,
-    # chunk numbers' address, counts' address, their length, offsets' address, chunk size, values'
-    # address, item size, byte base, then the checksum move's two words (written by the scatter).
+    # One row per encoding (or piece of one), as delta.c's ws_*_offsets_many read it: destination
+    # address and elements, chunk numbers' address, counts' address, their length, offsets' address,
+    # chunk size, values' address, item size, byte base, then the checksum move's two words (written by
+    # the scatter).
     _COLS = 12
 
     def __init__(self) -> None:
-        self._rows: list[tuple[int, ...]] = []
+        self._blocks: list[np.ndarray] = []
+        self._owners: list[np.ndarray] = []  # per row, the encoding it writes (an index into _names)
         self._names: list[str] = []
         self._keep: list[object] = []  # what the rows' addresses point into, alive until the writes end
-        self._changes: list[int] = []
-        self._jobs: np.ndarray | None = None  # the rows as the kernels read them (made at the first use)
+        self._changes: list[np.ndarray] = []  # per row
+        self._jobs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # made at the first use
 
     def __len__(self) -> int:
-        return len(self._rows)
+        return len(self._names)
+
+    def _append(self, names: list[str], rows: np.ndarray, owner: np.ndarray, changes: np.ndarray,
+                keep: list[object]) -> None:
+        self._blocks.append(rows)
+        self._owners.append(owner + len(self._names))
+        self._changes.append(changes)
+        self._names += names
+        self._keep += keep
+        self._jobs = None
 
     def add(self, name: str, dst: torch.Tensor, chunks: np.ndarray, counts: np.ndarray, offsets: np.ndarray,
             chunk: int, vals: torch.Tensor, byte_base: int) -> None:
@@ -410,44 +426,78 @@ class OffsetBatch:
         if int(counts.sum()) != vals.numel() or offsets.size != vals.numel():
             raise LayoutMismatchError(f"{name}: delta payload of {int(counts.sum())} changed positions and "
                                       f"{offsets.size} offsets for {vals.numel()} values")
-        self._rows.append((dst.data_ptr(), dst.numel(), _ptr(chunks), _ptr(counts), chunks.size, _ptr(offsets),
-                           chunk, vals.data_ptr(), dst.element_size(), byte_base, 0, 0))
-        self._names.append(name)
-        self._keep += [dst, chunks, counts, offsets, vals]
-        self._changes.append(vals.numel())
+        row = np.array([[dst.data_ptr(), dst.numel(), _ptr(chunks), _ptr(counts), chunks.size, _ptr(offsets),
+                         chunk, vals.data_ptr(), dst.element_size(), byte_base, 0, 0]], dtype=np.int64)
+        self._append([name], row, np.zeros(1, np.int64), np.array([vals.numel()]), [dst, chunks, counts, offsets, vals])
 
-    def _table(self) -> np.ndarray:
-        if self._jobs is None or len(self._jobs) != len(self._rows):
-            self._jobs = np.array(self._rows, dtype=np.int64).reshape(-1, self._COLS)
+    def add_table(self, names: list[str], dst: np.ndarray, dst_numel: np.ndarray, counts: np.ndarray,
+                  first_chunk: np.ndarray, nchunks: np.ndarray, chunk: np.ndarray, offsets: np.ndarray,
+                  vals: np.ndarray, item: np.ndarray, byte_base: np.ndarray, keep: list[object]) -> None:
+        """Queue index-only encodings given as arrays (one entry per encoding): destination addresses and
+        elements; encoding ``i``'s changed count of *every* chunk (0 for an unchanged one) at
+        ``counts[first_chunk[i] : first_chunk[i] + nchunks[i]]``; chunk sizes; the addresses of its
+        offsets and of its values; item size and byte base. The caller checked each table (counts >= 0,
+        summing to the offsets and values its encoding holds) and keeps the memory the addresses point
+        into alive with ``keep``."""
+        n = len(names)
+        if not n:
+            return
+        counts = np.ascontiguousarray(counts, dtype=np.int64)
+        pieces = np.maximum(1, -(-nchunks // PIECE_CHUNKS))
+        owner = np.repeat(np.arange(n), pieces)
+        first = (np.arange(owner.size) - np.concatenate([[0], np.cumsum(pieces)])[owner]) * PIECE_CHUNKS
+        length = np.minimum(PIECE_CHUNKS, nchunks[owner] - first).clip(min=0)
+        done = np.concatenate([[0], np.cumsum(counts)])  # changes before each chunk of the table
+        at = first_chunk[owner] + first  # each row's first chunk in the table
+        before = done[at] - done[first_chunk[owner]]  # its encoding's changes before that chunk
+        numbers = np.arange(int(nchunks.max(initial=0)) + 1, dtype=np.int64)  # chunks[c] = c for every row
+        rows = np.zeros((owner.size, self._COLS), dtype=np.int64)
+        rows[:, 0], rows[:, 1] = dst[owner], dst_numel[owner]
+        rows[:, 2] = _ptr(numbers) + 8 * first
+        rows[:, 3] = _ptr(counts) + 8 * at
+        rows[:, 4], rows[:, 6], rows[:, 8], rows[:, 9] = length, chunk[owner], item[owner], byte_base[owner]
+        rows[:, 5] = offsets[owner] + 2 * before
+        rows[:, 7] = vals[owner] + item[owner] * before
+        self._append(list(names), rows, owner, done[at + length] - done[at], [*keep, counts, numbers])
+
+    def _table(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if self._jobs is None:
+            self._jobs = (np.concatenate(self._blocks), np.concatenate(self._owners), np.concatenate(self._changes))
         return self._jobs
 
-    def _refused(self, rc: int, i: int) -> LayoutMismatchError:
-        row = self._rows[i]
-        return LayoutMismatchError(f"{self._names[i]}: {_offsets_error(rc, row[6], row[1], row[8])}")
+    def _refused(self, rc: int, row: int) -> LayoutMismatchError:
+        table, owner, _ = self._table()
+        r = table[row]
+        return LayoutMismatchError(f"{self._names[owner[row]]}: {_offsets_error(rc, int(r[6]), int(r[1]), int(r[8]))}")
 
     def check(self) -> None:
         """Raise :class:`LayoutMismatchError`, naming the first encoding whose offsets leave their chunk,
         repeat, go back or reach beyond its destination (nothing is written here)."""
-        if not self._rows:
+        if not self._names:
             return
+        table = self._table()[0]
         which = ctypes.c_int64(-1)
-        rc = _need(library()).ws_check_offsets_many(_ptr(self._table()), len(self._rows), ctypes.byref(which))
+        rc = _need(library()).ws_check_offsets_many(_ptr(table), len(table), ctypes.byref(which))
         if rc:
             raise self._refused(rc, which.value)
 
     def scatter(self) -> list[torch.Tensor | Exception]:
         """Write every encoding; per encoding its int64 ``[plain, weighted]`` checksum move, or the error
-        that refused it (each is checked again as it is written: a refused one writes nothing, the others
-        are all written). The overwritten values are not kept."""
-        lib, table = _need(library()), self._table()
-        n = len(self._rows)
-        if not n:
+        that refused it (each row is checked again as it is written: a refused row writes nothing, every
+        other row is written, so an encoding cut into pieces may be written in part: its layer is then
+        torn). The overwritten values are not kept."""
+        lib = _need(library())
+        if not self._names:
             return []
-        done = np.cumsum(self._changes)
+        table, owner, changes = self._table()
+        done = np.cumsum(changes)
         lines = 64 * int(done[-1])  # a change touches one 64-byte line at most
-        workers = min(threads(), n) if lines >= PARALLEL_MIN_BYTES else 1
-        # Runs of rows of about equal numbers of changes, one per thread.
-        cuts = [0, *np.searchsorted(done, [done[-1] * k / workers for k in range(1, workers)], side="right").tolist(), n]
+        workers = min(threads(), len(table)) if lines >= PARALLEL_MIN_BYTES else 1
+        # Runs of rows of about equal numbers of changes, a few per thread (one that ends early takes
+        # the next).
+        parts = 1 if workers < 2 else 4 * workers
+        cuts = [0, *np.searchsorted(done, [done[-1] * k / parts for k in range(1, parts)], side="right").tolist(),
+                len(table)]
         errors: dict[int, Exception] = {}
 
         def run(span: tuple[int, int]) -> None:
@@ -457,12 +507,14 @@ class OffsetBatch:
                 rc = lib.ws_scatter_offsets_many(_ptr(table), lo, hi, ctypes.byref(which))
                 if not rc:
                     return
-                errors[which.value] = self._refused(rc, which.value)
+                errors.setdefault(int(owner[which.value]), self._refused(rc, which.value))
                 lo = which.value + 1
 
-        parallel_map(run, list(pairwise(cuts)), lines)
-        moves = torch.from_numpy(table[:, 10:12])
-        return [errors.get(i, moves[i]) for i in range(n)]
+        parallel_map(run, [s for s in pairwise(cuts) if s[1] > s[0]], lines)
+        moves = np.zeros((len(self._names), 2), dtype=np.int64)
+        np.add.at(moves, owner, table[:, 10:12])
+        out = torch.from_numpy(moves)
+        return [errors.get(i, out[i]) for i in range(len(self._names))]
 
 
 def index_positions(chunks: np.ndarray, counts: np.ndarray, offsets: np.ndarray, off_bytes: int,

@@ -303,20 +303,57 @@ class InPlaceUpdate:
         batch = native.OffsetBatch()
         if self.session.rollback or not native.enabled() or not items or items[0][1].device.type != "cpu":
             return [], batch, items, None
-        from weight_sync.transport.delta_batch import parse_many
-        from weight_sync.transport.delta_format import FORM_INDEX
+        from weight_sync.transport.delta_batch import head_tables, parse_many
+        from weight_sync.transport.delta_format import FORM_INDEX, FORM_SAME
 
+        wire = [(payload, numel, dtype) for _, payload, numel, dtype, _ in items]
+        heads, tab = head_tables(wire)
+        # Index-only tables (every chunk unchanged with no count, or index with a count >= 0) with 16-bit
+        # offsets: the batch reads their counts in place, one per chunk, so each table is checked here.
+        ok = tab.usable & (tab.n_plain_chunks == 0) & (tab.n_bits == 0) & (tab.chunk_elems <= 1 << 16)
+        owner = np.repeat(np.arange(len(items)), np.diff(tab.chunk_at))
+        sound = ((tab.form == FORM_INDEX) & (tab.counts >= 0)) | ((tab.form == FORM_SAME) & (tab.counts == 0))
+        ok &= np.bincount(owner[~sound], minlength=len(items)) == 0
         fused: list[_Fused] = []
+        take, dst, numel, base, payload_at = [], [], [], [], []
+        for i in np.flatnonzero(ok).tolist():
+            name, payload, _, dtype, targets = items[i]
+            if len(targets) != 1 or targets[0].kind != "live" or not targets[0].whole:
+                continue
+            t = targets[0]
+            info = self.state.layers[t.layer]
+            d = self.applier.live_dst(info, t)
+            if d.device.type != "cpu" or d.dtype != dtype:
+                continue
+            take.append(i)
+            dst.append(d.region.data_ptr())
+            numel.append(d.region.numel())
+            base.append(t.dst_offset * d.size)
+            payload_at.append(payload.data_ptr())
+            fused.append(_Fused(name, payload.numel(), info, d))
+        if take:
+            at = np.asarray(take, dtype=np.int64)
+            region = tab.region_at[at]
+            start = np.asarray(payload_at, dtype=np.int64)
+            batch.add_table([items[i][0] for i in take], np.asarray(dst, dtype=np.int64),
+                            np.asarray(numel, dtype=np.int64), tab.counts, tab.chunk_at[at], tab.num_chunks[at],
+                            tab.chunk_elems[at], start + region[:, 1], start + region[:, 2],
+                            np.array([items[i][3].itemsize for i in take], dtype=np.int64),
+                            np.asarray(base, dtype=np.int64), [items[i][1] for i in take])
+        taken = set(take)
+        others = [i for i in range(len(items)) if i not in taken]
         rest, rest_parsed = [], []
-        for item, p in zip(items, parse_many([(payload, numel, dtype) for _, payload, numel, dtype, _ in items])):
-            name, payload, _, dtype, targets = item
+        for i, p in zip(others, parse_many(wire, (heads, tab), others) if others else []):
+            # Parsed alone (a table beyond the leading bytes read together: another chunk size), or not
+            # index-only: fused one by one where they qualify, else decoded.
+            name, payload, _, dtype, targets = items[i]
             t = targets[0] if len(targets) == 1 else None
             d = None
-            if (t is not None and t.kind == "live" and t.whole and not p.n_bits and not p.n_plain_chunks
-                    and p.chunk_elems <= 1 << 16):
+            if (not tab.usable[i] and t is not None and t.kind == "live" and t.whole and not p.n_bits
+                    and not p.n_plain_chunks and p.chunk_elems <= 1 << 16):
                 d = self.applier.live_dst(self.state.layers[t.layer], t)
             if t is None or d is None or d.device.type != "cpu" or d.dtype != dtype:
-                rest.append(item)
+                rest.append(items[i])
                 rest_parsed.append(p)
                 continue
             chunks = np.flatnonzero(p.form == FORM_INDEX)

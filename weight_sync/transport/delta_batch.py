@@ -40,7 +40,7 @@ from weight_sync.transport.delta import (
 )
 from weight_sync.transport.delta_format import _INT_OF_SIZE, FORM_PLAIN, MAGIC
 
-__all__ = ["Tables", "decode_deltas", "decode_together", "parse_many", "tables"]
+__all__ = ["Tables", "decode_deltas", "decode_together", "head_tables", "parse_many", "tables"]
 
 
 @dataclass(slots=True, eq=False)  # not frozen: its __init__ runs per payload of every delta
@@ -252,34 +252,45 @@ def tables(flat: np.ndarray, sizes: np.ndarray, numel: np.ndarray, item: np.ndar
                   form, counts, chunk_at)
 
 
-def parse_many(items: list[tuple[torch.Tensor, int, torch.dtype]]) -> list[_Parsed]:
-    """``_parse`` of every ``(payload, numel, dtype)`` (all on one device), the headers and tables of all of
-    them read in one device read and checked in one numpy pass (a per-payload parse costs tens of
-    microseconds of host time, and a bucket holds hundreds). A payload that fails a check, or whose
-    table is not all in its leading bytes (another chunk size), is parsed alone: that raises its own
-    error or handles the other layout."""
+def head_tables(items: list[tuple[torch.Tensor, int, torch.dtype]]) -> tuple[list[np.ndarray], Tables]:
+    """The leading bytes of every ``(payload, numel, dtype)`` (all on one device, read in one device read)
+    and their :class:`Tables`, a payload ``usable`` only where it is also a 1-D uint8 tensor."""
     heads = read_heads([(t, n) for t, n, _ in items])
-    out: list[_Parsed | None] = [None] * len(items)
     sizes = np.array([h.size for h in heads], dtype=np.int64)
     flat = np.concatenate(heads) if heads else np.zeros(0, np.uint8)
     tab = tables(flat, sizes, np.array([n for _, n, _ in items], dtype=np.int64),
                  np.array([d.itemsize for _, _, d in items], dtype=np.int64),
                  np.array([t.numel() for t, _, _ in items], dtype=np.int64))
-    usable = tab.usable & np.array([t.dtype == torch.uint8 and t.dim() == 1 for t, _, _ in items], dtype=bool)
-    form, counts, chunk_at = tab.form, tab.counts, tab.chunk_at
+    tab.usable &= np.array([t.dtype == torch.uint8 and t.dim() == 1 for t, _, _ in items], dtype=bool)
+    return heads, tab
+
+
+def parse_many(items: list[tuple[torch.Tensor, int, torch.dtype]],
+               read: tuple[list[np.ndarray], Tables] | None = None, which: list[int] | None = None) -> list[_Parsed]:
+    """``_parse`` of every ``(payload, numel, dtype)`` (all on one device), the headers and tables of all of
+    them read in one device read and checked in one numpy pass (a per-payload parse costs tens of
+    microseconds of host time, and a bucket holds hundreds). A payload that fails a check, or whose
+    table is not all in its leading bytes (another chunk size), is parsed alone: that raises its own
+    error or handles the other layout. ``read``: :func:`head_tables` of ``items`` already made;
+    ``which``: parse only these items (their parses in that order)."""
+    heads, tab = head_tables(items) if read is None else read
+    pick = np.arange(len(items)) if which is None else np.asarray(which, dtype=np.int64)
+    items = items if which is None else [items[i] for i in which]
+    out: list[_Parsed | None] = [None] * len(items)
+    form, counts = tab.form, tab.counts
     # Python lists for the per-payload loop: indexing numpy scalars costs more than the rest of it. A
     # torch view costs about a microsecond of host time: an empty region gets one shared empty tensor
     # (most payloads have one or two: no bitmask at a low density, no plain chunks below a dense one).
-    ends = tab.region_at[:, :4] + tab.lengths
-    rows = zip(usable.tolist(), tab.region_at.tolist(), ends.tolist(), chunk_at.tolist(), chunk_at[1:].tolist(),
-               tab.chunk_elems.tolist(), tab.num_chunks.tolist(), tab.n_plain_chunks.tolist(), tab.n_bits.tolist(),
-               tab.n_index.tolist())
+    ends = tab.region_at[pick, :4] + tab.lengths[pick]
+    rows = zip(tab.usable[pick].tolist(), tab.region_at[pick].tolist(), ends.tolist(), tab.chunk_at[pick].tolist(),
+               tab.chunk_at[pick + 1].tolist(), tab.chunk_elems[pick].tolist(), tab.num_chunks[pick].tolist(),
+               tab.n_plain_chunks[pick].tolist(), tab.n_bits[pick].tolist(), tab.n_index[pick].tolist())
     dev = items[0][0].device if items else None
     e8 = torch.empty(0, dtype=torch.uint8, device=dev)
     empty: dict[torch.dtype, torch.Tensor] = {torch.uint8: e8}
     for i, ((payload, n, dtype), (ok, a, e, lo, hi, ce_i, nc_i, plain, bits, index)) in enumerate(zip(items, rows)):
         if not ok:
-            out[i] = _parse(payload, n, dtype, heads[i])
+            out[i] = _parse(payload, n, dtype, heads[int(pick[i])])
             continue
         want = _INT_OF_SIZE[dtype.itemsize] if dtype != torch.bool else torch.uint8
         none = empty.get(want)
