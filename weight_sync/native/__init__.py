@@ -241,6 +241,17 @@ def parallel_map(fn: Callable[[T], R], items: Sequence[T], work_bytes: int) -> l
     return out  # type: ignore[return-value]  # no exception among them
 
 
+def _spans(work: np.ndarray, parts: int) -> list[tuple[int, int]]:
+    """Cut rows of a kernel's table into at most ``parts`` runs of about equal ``work`` (one kernel call
+    each; more runs than threads let a thread that ends early take the next)."""
+    done = np.cumsum(work)
+    if not done.size:
+        return []
+    total = int(done[-1])
+    cuts = np.searchsorted(done, [total * k / parts for k in range(1, parts)], side="right").tolist()
+    return [(a, b) for a, b in pairwise([0, *cuts, done.size]) if b > a]
+
+
 def _scratch(name: str, n: int, dtype: np.dtype) -> np.ndarray:
     """``n`` entries of a buffer this thread keeps and grows (never shrinks): the scans' outputs. Fresh
     buffers of that size cost their page faults on every update, on a VM host more than the scan."""
@@ -490,14 +501,10 @@ class OffsetBatch:
         if not self._names:
             return []
         table, owner, changes = self._table()
-        done = np.cumsum(changes)
-        lines = 64 * int(done[-1])  # a change touches one 64-byte line at most
+        lines = 64 * int(changes.sum())  # a change touches one 64-byte line at most
         workers = min(threads(), len(table)) if lines >= PARALLEL_MIN_BYTES else 1
-        # Runs of rows of about equal numbers of changes, a few per thread (one that ends early takes
-        # the next).
-        parts = 1 if workers < 2 else 4 * workers
-        cuts = [0, *np.searchsorted(done, [done[-1] * k / parts for k in range(1, parts)], side="right").tolist(),
-                len(table)]
+        # Runs of rows of about equal numbers of changes, a few per thread.
+        spans = _spans(changes, 1 if workers < 2 else 4 * workers)
         errors: dict[int, Exception] = {}
 
         def run(span: tuple[int, int]) -> None:
@@ -510,7 +517,7 @@ class OffsetBatch:
                 errors.setdefault(int(owner[which.value]), self._refused(rc, which.value))
                 lo = which.value + 1
 
-        parallel_map(run, [s for s in pairwise(cuts) if s[1] > s[0]], lines)
+        parallel_map(run, spans, lines)
         moves = np.zeros((len(self._names), 2), dtype=np.int64)
         np.add.at(moves, owner, table[:, 10:12])
         out = torch.from_numpy(moves)

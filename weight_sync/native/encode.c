@@ -17,7 +17,7 @@ void ws_forms(const int64_t *counts, int64_t nchunks, int64_t chunk, int64_t num
 
 enum { MAGIC = 0x32445357, SAME = 0, BITMASK = 1, INDEX = 2, PLAIN = 3 };
 
-/* One range of a tensor's chunks to scan (weight_sync/native/encode.py's EncodeBatch): new's and the
+/* One range of a tensor's chunks to scan (weight_sync/native/encode.py's encode_many): new's and the
  * base's address at the range's first element, its elements, item size, chunk size, whether the base
  * moves, the 16-bit offsets' and values' scratch (room for `cap` changes and 64 more), the range's
  * counts, `cap`; the scan writes the changes found and how many chunks it finished. */
@@ -38,9 +38,10 @@ void ws_scan_ranges(int64_t *ranges, int64_t lo, int64_t hi) {
 
 /* One tensor to lay out: new's address, elements, item size, chunk size, its counts and forms (one per
  * chunk), its first range row and how many, where its encoding goes; ws_encode_sizes writes its size,
- * changed count and region starts. */
+ * changed count and region starts (T_VALS_IX: where the index chunks' values start, after the bitmask
+ * chunks' in the values region). */
 enum { T_NEW, T_N, T_ITEM, T_CHUNK, T_COUNTS, T_FORMS, T_RANGE0, T_NRANGES, T_OUT, T_SIZE, T_K,
-       T_BITS, T_OFFS, T_VALS, T_PLAIN, T_COLS };
+       T_BITS, T_OFFS, T_VALS, T_PLAIN, T_VALS_IX, T_COLS };
 
 static int64_t align8(int64_t n) { return (n + 7) / 8 * 8; }
 
@@ -67,6 +68,7 @@ void ws_encode_sizes(int64_t *tensors, int64_t n) {
         t[T_OFFS] = t[T_BITS] + align8(n_bm * (chunk / 8));
         t[T_VALS] = t[T_OFFS] + align8(2 * k_ix);
         t[T_PLAIN] = t[T_VALS] + align8((k_bm + k_ix) * item);
+        t[T_VALS_IX] = t[T_VALS] + k_bm * item;
         t[T_SIZE] = t[T_PLAIN] + align8(plain * item);
         t[T_K] = k;
     }
@@ -94,16 +96,14 @@ void ws_encode_write(const int64_t *tensors, const int64_t *ranges, int64_t lo, 
         head[2] = (int32_t)nchunks;
         head[3] = (int32_t)item;
         unsigned char *bits = out + t[T_BITS], *offs = out + t[T_OFFS], *plain = out + t[T_PLAIN];
-        int64_t k_bm = 0;
-        for (int64_t c = 0; c < nchunks; c++) k_bm += form[c] == BITMASK ? counts[c] : 0;
-        unsigned char *vals_bm = out + t[T_VALS], *vals_ix = vals_bm + k_bm * item;
+        unsigned char *vals_bm = out + t[T_VALS], *vals_ix = out + t[T_VALS_IX];
         int64_t c = 0;
         for (int64_t r = t[T_RANGE0]; r < t[T_RANGE0] + t[T_NRANGES]; r++) {
             const int64_t *g = ranges + r * R_COLS;
             const uint16_t *off = (const uint16_t *)(intptr_t)g[R_OFF];
             const unsigned char *sv = (const unsigned char *)(intptr_t)g[R_VALS];
-            int64_t end = c + (g[R_N] + chunk - 1) / chunk, j = 0;
-            for (; c < end; c++) {
+            int64_t stop = c + (g[R_N] + chunk - 1) / chunk, j = 0;
+            for (; c < stop; c++) {
                 int64_t kc = counts[c], f = form[c];
                 head[4 + 2 * c] = (int32_t)f;
                 head[5 + 2 * c] = (int32_t)kc;

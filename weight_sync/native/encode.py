@@ -18,13 +18,11 @@ The bytes are those of :func:`weight_sync.transport.delta_cpu.encode_cpu` (the t
 
 from __future__ import annotations
 
-from itertools import pairwise
-
 import numpy as np
 import torch
 
 from weight_sync.errors import LayoutMismatchError
-from weight_sync.native import HostArena, _need, library, parallel_map, threads
+from weight_sync.native import HostArena, _need, _spans, library, parallel_map, threads
 
 __all__ = ["RANGE_ELEMS", "encode_many"]
 
@@ -32,8 +30,8 @@ __all__ = ["RANGE_ELEMS", "encode_many"]
 RANGE_ELEMS = 1 << 23
 
 # Table columns, as encode.c names them (R_*, T_*).
-_R_COLS, _R_N, _R_CAP, _R_K, _R_DONE = 12, 2, 9, 10, 11
-_T_COLS, _T_SIZE, _T_K, _T_OUT = 15, 9, 10, 8
+_R_COLS, _R_N, _R_CAP, _R_DONE = 12, 2, 9, 11
+_T_COLS, _T_SIZE, _T_K, _T_OUT = 16, 9, 10, 8
 _SLACK = 64  # entries past a scratch's capacity the vector scans may store into
 _ALIGN = 64
 
@@ -42,22 +40,10 @@ def _aligned(nbytes: np.ndarray) -> np.ndarray:
     return (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
-def _spans(work: np.ndarray, parts: int) -> list[tuple[int, int]]:
-    """Cut rows into at most ``parts`` runs of about equal ``work`` (each run is one kernel call)."""
-    done = np.cumsum(work)
-    if not done.size:
-        return []
-    total = int(done[-1])
-    cuts = np.searchsorted(done, [total * k / parts for k in range(1, parts)], side="right").tolist()
-    return [(a, b) for a, b in pairwise([0, *cuts, done.size]) if b > a]
-
-
 def _run(kernel: str, table: np.ndarray, work: np.ndarray, work_bytes: int, *extra: int) -> None:
     """``kernel(table, *extra, lo, hi)`` over runs of the table's rows, on the native threads."""
     fn = getattr(_need(library()), kernel)
-    # More runs than threads: a thread that finishes early takes the next one.
-    spans = _spans(work, 4 * threads())
-    parallel_map(lambda s: fn(table.ctypes.data, *extra, s[0], s[1]), spans, work_bytes)
+    parallel_map(lambda s: fn(table.ctypes.data, *extra, s[0], s[1]), _spans(work, 4 * threads()), work_bytes)
 
 
 def _scratch_rows(rows: np.ndarray, items: np.ndarray, arena: HostArena | None) -> list[np.ndarray]:

@@ -318,19 +318,15 @@ class InPlaceUpdate:
         take, dst, numel, base, payload_at = [], [], [], [], []
         for i in np.flatnonzero(ok).tolist():
             name, payload, _, dtype, targets = items[i]
-            if len(targets) != 1 or targets[0].kind != "live" or not targets[0].whole:
-                continue
-            t = targets[0]
-            info = self.state.layers[t.layer]
-            d = self.applier.live_dst(info, t)
-            if d.device.type != "cpu" or d.dtype != dtype:
+            job = self._fused_target(name, payload, dtype, targets)
+            if job is None:
                 continue
             take.append(i)
-            dst.append(d.region.data_ptr())
-            numel.append(d.region.numel())
-            base.append(t.dst_offset * d.size)
+            dst.append(job.dst.region.data_ptr())
+            numel.append(job.dst.region.numel())
+            base.append(targets[0].dst_offset * job.dst.size)
             payload_at.append(payload.data_ptr())
-            fused.append(_Fused(name, payload.numel(), info, d))
+            fused.append(job)
         if take:
             at = np.asarray(take, dtype=np.int64)
             region = tab.region_at[at]
@@ -347,20 +343,30 @@ class InPlaceUpdate:
             # Parsed alone (a table beyond the leading bytes read together: another chunk size), or not
             # index-only: fused one by one where they qualify, else decoded.
             name, payload, _, dtype, targets = items[i]
-            t = targets[0] if len(targets) == 1 else None
-            d = None
-            if (not tab.usable[i] and t is not None and t.kind == "live" and t.whole and not p.n_bits
-                    and not p.n_plain_chunks and p.chunk_elems <= 1 << 16):
-                d = self.applier.live_dst(self.state.layers[t.layer], t)
-            if t is None or d is None or d.device.type != "cpu" or d.dtype != dtype:
+            index_only = not p.n_bits and not p.n_plain_chunks and p.chunk_elems <= 1 << 16
+            job = None if tab.usable[i] or not index_only else self._fused_target(name, payload, dtype, targets)
+            if job is None:
                 rest.append(items[i])
                 rest_parsed.append(p)
                 continue
             chunks = np.flatnonzero(p.form == FORM_INDEX)
-            batch.add(name, d.region, chunks, p.counts[chunks], p.regions[1].numpy().view(np.int16), p.chunk_elems,
-                      p.regions[2], t.dst_offset * d.size)
-            fused.append(_Fused(name, payload.numel(), self.state.layers[t.layer], d))
+            batch.add(name, job.dst.region, chunks, p.counts[chunks], p.regions[1].numpy().view(np.int16),
+                      p.chunk_elems, p.regions[2], targets[0].dst_offset * job.dst.size)
+            fused.append(job)
         return fused, batch, rest, rest_parsed
+
+    def _fused_target(self, name: str, payload: torch.Tensor, dtype: torch.dtype,
+                      targets: tuple[Target, ...]) -> _Fused | None:
+        """``name``'s fused write when its one target is a whole live host tensor of the wire's dtype (its
+        encoding then goes into the offsets batch), else None."""
+        if len(targets) != 1 or targets[0].kind != "live" or not targets[0].whole:
+            return None
+        t = targets[0]
+        info = self.state.layers[t.layer]
+        d = self.applier.live_dst(info, t)
+        if d.device.type != "cpu" or d.dtype != dtype:
+            return None
+        return _Fused(name, payload.numel(), info, d)
 
     def _write_fused(self, fused: list[_Fused], batch: native.OffsetBatch, marked: bool) -> None:
         """The fused host payloads written (on several threads when large), their checksum moves kept; a

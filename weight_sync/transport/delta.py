@@ -208,12 +208,17 @@ def _encode_host(vals: torch.Tensor, old: torch.Tensor, base: torch.Tensor, chun
     """:func:`~weight_sync.transport.delta_cpu.encode_cpu` of host integer views: (encoding, positions,
     changed count, whether the base was moved). The positions are there if asked, and whenever
     ``advance`` asked for a base move the encode did not make (the caller's :func:`copy_changed_`)."""
-    # The scan may write the base only where ``old`` is the base's own memory, not a copy of it.
-    in_place = advance and old.data_ptr() == base.data_ptr() and base.is_contiguous()
+    in_place = advance and _base_in_place(old, base)
     out, pos, count, advanced = encode_cpu(vals.numpy(), old.numpy(), chunk_elems, vals.dtype.itemsize,
                                            advance=in_place, positions=positions or (advance and not in_place),
                                            arena=arena)
     return torch.from_numpy(out), pos, count, advanced
+
+
+def _base_in_place(old: torch.Tensor, base: torch.Tensor) -> bool:
+    """Whether a scan may move ``base`` through its integer view ``old``: only where ``old`` is the base's
+    own memory, not a copy of it."""
+    return old.data_ptr() == base.data_ptr() and base.is_contiguous()
 
 
 def _encode_counted(new: torch.Tensor, base: torch.Tensor, chunk_elems: int, advance: bool,
@@ -274,7 +279,7 @@ def _encode_batched(pairs: list[tuple[torch.Tensor, torch.Tensor]], host: list[i
     for i in host:
         new, base = pairs[i]
         vals, old = _int_views(new, base, chunk_elems)
-        if advance and not (old.data_ptr() == base.data_ptr() and base.is_contiguous()):
+        if advance and not _base_in_place(old, base):
             rest.append(i)
             continue
         views.append((vals, old))
